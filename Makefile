@@ -1,0 +1,37 @@
+# The two commands a newcomer needs are `make demo` and `make test`.
+# Both build .venv (editable install with the dev extras) and bring up the local
+# Kafka and Postgres when none is configured (compose/local/up).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: venv services down lint unit test demo bench bench-soak chaos
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+venv: $(STAMP)
+
+services:
+	compose/local/up
+
+down:
+	compose/local/down
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/pytest tests/unit
+
+test: venv services lint
+	$(BIN)/pytest
+
+demo: venv services
+	$(BIN)/python -m dedup.demo

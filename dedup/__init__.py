@@ -1,0 +1,28 @@
+"""dedup: each Kafka message and each scheduled job takes effect exactly once.
+
+Delivery from Kafka stays at-least-once; the effect inside Postgres becomes
+exactly once because the idempotency key is claimed in the same transaction as
+the business write, under a fencing token that a newer owner invalidates.
+"""
+
+from __future__ import annotations
+
+from dedup.errors import (
+    ConfigurationError,
+    DedupError,
+    KeyExtractionError,
+    MigrationError,
+    ServiceUnavailableError,
+    StaleTokenError,
+)
+from dedup.migrations import migrate
+
+__all__ = [
+    "ConfigurationError",
+    "DedupError",
+    "KeyExtractionError",
+    "MigrationError",
+    "ServiceUnavailableError",
+    "StaleTokenError",
+    "migrate",
+]

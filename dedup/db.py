@@ -1,0 +1,78 @@
+"""Connections to Postgres: the pool dedup opens, and which errors are worth retrying."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import orjson
+
+from dedup import errors
+
+# SQLSTATE classes and codes after which the same transaction can succeed when
+# tried again: connection exceptions (08), serialization failure (40001),
+# deadlock (40P01), lock timeout (55P03), shutdown in progress (57P01-57P03),
+# too many connections (53300).
+_RETRIABLE_STATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "53300"}
+
+# A paused worker that still holds row locks inside an open transaction is cut
+# off by the server after this long, so a new owner never waits longer.
+IDLE_IN_TRANSACTION_TIMEOUT_MS = 10_000
+
+
+async def init_connection(conn: asyncpg.Connection) -> None:
+    """Pool ``init`` hook: json and jsonb go through orjson."""
+    for name in ("json", "jsonb"):
+        await conn.set_type_codec(
+            name,
+            encoder=lambda value: orjson.dumps(value).decode(),
+            decoder=orjson.loads,
+            schema="pg_catalog",
+        )
+
+
+async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwargs: Any) -> Any:
+    """Open an asyncpg pool for dedup's work, or raise an error that names the DSN's host."""
+    settings = {
+        "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_TIMEOUT_MS),
+        "application_name": "dedup",
+    }
+    settings.update(kwargs.pop("server_settings", {}))
+    try:
+        return await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            init=init_connection,
+            server_settings=settings,
+            **kwargs,
+        )
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        raise errors.ServiceUnavailableError(
+            f"cannot connect to Postgres with the dsn setting ({describe_dsn(dsn)}): {exc}; "
+            "check the DSN, or start the local services with compose/local/up"
+        ) from exc
+
+
+def describe_dsn(dsn: str) -> str:
+    """The DSN without its password, for error messages and logs."""
+    head, at, tail = dsn.rpartition("@")
+    if not at:
+        return dsn
+    scheme, _, userinfo = head.partition("://")
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}@{tail}"
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """True when ``exc`` is a transient failure of Postgres or the network."""
+    if isinstance(exc, errors.DedupError):
+        return exc.retriable
+    if isinstance(exc, asyncpg.PostgresError):
+        state = getattr(exc, "sqlstate", None) or ""
+        return state.startswith("08") or state in _RETRIABLE_STATES
+    return isinstance(
+        exc,
+        OSError | asyncio.TimeoutError | asyncpg.InterfaceError | asyncpg.InternalClientError,
+    )

@@ -1,0 +1,54 @@
+"""Errors raised by dedup.
+
+    DedupError
+    ├── ConfigurationError     a setting is wrong; names the setting
+    ├── ServiceUnavailableError  Kafka or Postgres can't be reached (retriable)
+    ├── StaleTokenError        a newer fencing token exists: stop writing
+    ├── KeyExtractionError     no idempotency key could be taken from a message
+    └── MigrationError         the schema could not be brought up to date
+
+Every error keeps the original exception on ``__cause__``.  ``retriable`` says
+whether trying the same thing again later can succeed.
+"""
+
+from __future__ import annotations
+
+
+class DedupError(Exception):
+    """Root of every error dedup raises."""
+
+    retriable: bool = False
+
+
+class ConfigurationError(DedupError):
+    """A setting is missing or invalid; the message names the setting."""
+
+
+class ServiceUnavailableError(DedupError):
+    """Kafka or Postgres did not answer; trying again later may succeed."""
+
+    retriable = True
+
+
+class StaleTokenError(DedupError):
+    """A newer holder owns the resource: this holder's writes are refused.
+
+    Raised inside the caller's transaction, which must then roll back.
+    """
+
+    def __init__(self, resource: str, token: int, message: str | None = None) -> None:
+        self.resource = resource
+        self.token = token
+        super().__init__(
+            message
+            or f"fencing token {token} for {resource} is stale: a newer holder took over; "
+            "roll back and stop writing"
+        )
+
+
+class KeyExtractionError(DedupError):
+    """No idempotency key could be taken from a message."""
+
+
+class MigrationError(DedupError):
+    """The schema could not be brought up to date."""

@@ -1,0 +1,221 @@
+"""Services for the tests: a real Kafka broker and a real Postgres server.
+
+They are found in this order:
+
+1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``DEDUP_DSN`` in the environment (your own);
+2. the local services of ``compose/local/up`` (started here if they are not
+   running; ``make test`` starts them first anyway);
+3. testcontainers, when a Docker engine answers.
+
+Nothing is skipped: a test that can't reach a service fails and says how to
+start it.  Each integration test gets its own database, cloned from a template
+migrated once per run, and its own topics.  Nothing here writes ``PG*`` or
+``DEDUP_*`` into ``os.environ``; tests that want a DSN take a fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+import dedup
+from dedup import db
+
+ROOT = Path(__file__).resolve().parent.parent
+HOW_TO_START = (
+    "start them with `compose/local/up` (or `make test`, which does), "
+    "or point KAFKA_BOOTSTRAP_SERVERS and DEDUP_DSN at your own"
+)
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where the test services answer."""
+
+    bootstrap_servers: str
+    """Kafka, as host:port."""
+    dsn: str
+    """Postgres, a DSN for a role that may create databases."""
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _docker_answers() -> bool:
+    docker = shutil.which("docker")
+    if not docker:
+        return False
+    probe = subprocess.run([docker, "info"], capture_output=True, timeout=20, check=False)
+    return probe.returncode == 0
+
+
+@contextlib.contextmanager
+def _testcontainers() -> Iterator[Services]:
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.postgres import PostgresContainer
+
+    with (
+        PostgresContainer("postgres:16", driver=None) as pg,
+        KafkaContainer("confluentinc/cp-kafka:7.6.1").with_kraft() as kafka,
+    ):
+        yield Services(kafka.get_bootstrap_server(), pg.get_connection_url())
+
+
+def _local_services_running() -> bool:
+    status = subprocess.run([ROOT / "compose/local/status"], capture_output=True, check=False)
+    return status.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    """Kafka and Postgres for this run, found or started as the module docstring says."""
+    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    dsn = os.environ.get("DEDUP_DSN")
+    if kafka and dsn:
+        yield Services(kafka, dsn)
+        return
+    if not _local_services_running() and _docker_answers():
+        with _testcontainers() as found:
+            yield Services(kafka or found.bootstrap_servers, dsn or found.dsn)
+        return
+    if not _local_services_running():
+        # compose/local/up itself honours a variable that is already set.
+        started = subprocess.run(
+            [ROOT / "compose/local/up"], capture_output=True, text=True, check=False
+        )
+        if started.returncode != 0:
+            pytest.fail(
+                f"Kafka and Postgres are not running and compose/local/up failed:\n"
+                f"{started.stderr}\n{HOW_TO_START}",
+                pytrace=False,
+            )
+    local = _read_env_file(ROOT / ".services" / "env")
+    yield Services(kafka or local["KAFKA_BOOTSTRAP_SERVERS"], dsn or local["DEDUP_DSN"])
+
+
+def _with_database(dsn: str, database: str) -> str:
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{database}"
+
+
+async def _admin_connection(services: Services) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(services.dsn, timeout=10)
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        pytest.fail(
+            f"cannot reach Postgres at {db.describe_dsn(services.dsn)}: {exc}; {HOW_TO_START}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def template_database(services: Services) -> Iterator[str]:
+    """A database migrated once per run; each test's database is cloned from it."""
+    name = f"dedup_tpl_{uuid.uuid4().hex[:10]}"
+
+    async def create() -> None:
+        conn = await _admin_connection(services)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+        await dedup.migrate(_with_database(services.dsn, name))
+
+    async def drop() -> None:
+        conn = await _admin_connection(services)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    yield name
+    asyncio.run(drop())
+
+
+@pytest.fixture
+async def dsn(services: Services, template_database: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for this test alone."""
+    name = f"dedup_t_{uuid.uuid4().hex[:12]}"
+    conn = await _admin_connection(services)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    finally:
+        await conn.close()
+    yield _with_database(services.dsn, name)
+    conn = await _admin_connection(services)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def pool(dsn: str) -> AsyncIterator[Any]:
+    """An asyncpg pool (orjson codecs) on this test's database."""
+    p = await db.create_pool(dsn, max_size=8)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+def bootstrap_servers(services: Services) -> str:
+    """Kafka's address."""
+    return services.bootstrap_servers
+
+
+class Topics:
+    """Creates uniquely named topics for one test and deletes them afterwards."""
+
+    def __init__(self, bootstrap_servers: str) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.created: list[str] = []
+
+    async def create(self, partitions: int = 1, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        try:
+            await admin.start()
+        except Exception as exc:  # any failure here means "not reachable"
+            pytest.fail(
+                f"cannot reach Kafka at {self.bootstrap_servers}: {exc!r}; {HOW_TO_START}",
+                pytrace=False,
+            )
+        try:
+            await admin.create_topics([NewTopic(name, partitions, 1)])
+        finally:
+            await admin.close()
+        self.created.append(name)
+        return name
+
+    async def delete_all(self) -> None:
+        if not self.created:
+            return
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        await admin.start()
+        try:
+            await admin.delete_topics(self.created)
+        finally:
+            await admin.close()
+
+
+@pytest.fixture
+async def topics(bootstrap_servers: str) -> AsyncIterator[Topics]:
+    """Make topics with ``await topics.create(partitions)``; they are deleted after the test."""
+    made = Topics(bootstrap_servers)
+    yield made
+    await made.delete_all()

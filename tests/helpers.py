@@ -1,0 +1,52 @@
+"""Small helpers shared by the integration and chaos tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
+
+from aiokafka import AIOKafkaProducer
+
+T = TypeVar("T")
+
+
+async def wait_for(
+    probe: Callable[[], Awaitable[T]],
+    *,
+    within: float = 30.0,
+    interval: float = 0.1,
+    what: str = "condition",
+) -> T:
+    """Poll ``probe`` until it returns something truthy; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = await probe()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {within:.0f}s waiting for {what} (last: {last!r})")
+
+
+async def produce(
+    bootstrap_servers: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    *,
+    partition: int | None = None,
+    headers: list[tuple[str, bytes]] | None = None,
+) -> int:
+    """Send ``(key, value)`` records and wait until all are acknowledged; return the count."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, linger_ms=5)
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, value, key=key, partition=partition, headers=headers)
+            for key, value in records
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    return len(futures)

@@ -1,0 +1,58 @@
+"""Schema names, SQL rendering and migration discovery: pure logic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from dedup import db, errors, migrations, schema
+
+
+@pytest.mark.parametrize("name", ["dedup", "tenant_7", "_x"])
+def test_plain_identifiers_are_quoted(name: str) -> None:
+    assert schema.quote(name) == f'"{name}"'
+
+
+@pytest.mark.parametrize("name", ["", "Dedup", "7up", 'a"; drop table x; --', "a-b", "x" * 64])
+def test_anything_else_is_refused_naming_the_input(name: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match="invalid schema name"):
+        schema.quote(name)
+
+
+def test_render_substitutes_only_the_schema_placeholder() -> None:
+    assert schema.render("SELECT '{x}' FROM {schema}.t", "s1") == "SELECT '{x}' FROM \"s1\".t"
+
+
+def test_named_queries_are_rendered_for_the_schema() -> None:
+    q = schema.Queries("other")
+    assert '"other".migrations' in q.applied_migrations
+    with pytest.raises(AttributeError, match="no query named"):
+        _ = q.no_such_query
+
+
+def test_shipped_migrations_are_numbered_in_order() -> None:
+    found = migrations.discover(schema.migrations_dir())
+    assert [m.version for m in found] == sorted(m.version for m in found)
+    assert found[0].name == "core"
+
+
+def test_badly_named_migration_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "first.sql").write_text("SELECT 1")
+    with pytest.raises(errors.MigrationError, match=r"NNNN_name\.sql"):
+        migrations.discover(tmp_path)
+
+
+def test_dsn_description_hides_the_password() -> None:
+    assert db.describe_dsn("postgresql://u:secret@h:5/d") == "postgresql://u@h:5/d"
+    assert db.describe_dsn("postgresql:///d") == "postgresql:///d"
+
+
+def test_transient_failures_are_retriable_and_bugs_are_not() -> None:
+    assert db.is_retriable(asyncpg.exceptions.SerializationError())
+    assert db.is_retriable(asyncpg.exceptions.DeadlockDetectedError())
+    assert db.is_retriable(asyncpg.exceptions.AdminShutdownError())
+    assert db.is_retriable(ConnectionResetError())
+    assert not db.is_retriable(asyncpg.exceptions.UniqueViolationError())
+    assert not db.is_retriable(ValueError("handler bug"))
