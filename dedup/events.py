@@ -1,0 +1,90 @@
+"""The append-only ``events`` table: every state transition, so the database alone tells the story.
+
+Each :class:`Event` is written in the caller's transaction (it commits or rolls
+back with the change it describes) and mirrored as a span event on the current
+span (see :mod:`dedup.telemetry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from dedup import schema, telemetry
+
+_INSERT = """
+INSERT INTO {schema}.events
+    (subject, kind, namespace, key, resource, holder, token, from_state, to_state,
+     trace_id, detail)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                     $6::text[], $7::bigint[], $8::text[], $9::text[], $10::text[],
+                     $11::jsonb[])
+"""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One transition."""
+
+    subject: str
+    """What the event is about: ``message``, ``partition``, ``lease``, ``task``, ``reconcile``."""
+    kind: str
+    """The transition: ``duplicate``, ``conflict``, ``task_started``, ... (no ``dedup.`` prefix)."""
+    namespace: str | None = None
+    """Consumer namespace, or task code."""
+    key: str | None = None
+    """Idempotency key, or business key."""
+    resource: str | None = None
+    """Lease resource or ``topic:partition``."""
+    holder: str | None = None
+    """Who made the transition."""
+    token: int | None = None
+    """The fencing token it was made under."""
+    from_state: str | None = None
+    """State before."""
+    to_state: str | None = None
+    """State after."""
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    """Anything else worth keeping (offsets, reasons, both tokens of a takeover)."""
+
+    def span_attributes(self) -> dict[str, Any]:
+        """The ``dedup.*`` attributes of this event's span event (prefix added later)."""
+        attrs: dict[str, Any] = {
+            "namespace": self.namespace,
+            "key": self.key,
+            "resource": self.resource,
+            "holder": self.holder,
+            "token": self.token,
+            "from": self.from_state,
+            "to": self.to_state,
+        }
+        for k, v in self.detail.items():
+            if isinstance(v, str | bool | int | float):
+                attrs[k] = v
+        return attrs
+
+
+async def record(conn: asyncpg.Connection, schema_name: str, events: Sequence[Event]) -> None:
+    """Write ``events`` in one statement on ``conn`` and add them to the current span."""
+    if not events:
+        return
+    for event in events:
+        telemetry.transition(event.kind, event.span_attributes())
+    trace_id = telemetry.current_trace_id()
+    await conn.execute(
+        schema.render(_INSERT, schema_name),
+        [e.subject for e in events],
+        [e.kind for e in events],
+        [e.namespace for e in events],
+        [e.key for e in events],
+        [e.resource for e in events],
+        [e.holder for e in events],
+        [e.token for e in events],
+        [e.from_state for e in events],
+        [e.to_state for e in events],
+        [trace_id] * len(events),
+        [dict(e.detail) for e in events],
+    )
