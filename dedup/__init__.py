@@ -7,6 +7,8 @@ the business write, under a fencing token that a newer owner invalidates.
 
 from __future__ import annotations
 
+from dedup import keys
+from dedup.consumer import IdempotentConsumer, wrap
 from dedup.errors import (
     ConfigurationError,
     DedupError,
@@ -15,14 +17,21 @@ from dedup.errors import (
     ServiceUnavailableError,
     StaleTokenError,
 )
+from dedup.message import Message, Outcome, Tx
 from dedup.migrations import migrate
 
 __all__ = [
     "ConfigurationError",
     "DedupError",
+    "IdempotentConsumer",
     "KeyExtractionError",
+    "Message",
     "MigrationError",
+    "Outcome",
     "ServiceUnavailableError",
     "StaleTokenError",
+    "Tx",
+    "keys",
     "migrate",
+    "wrap",
 ]

@@ -1,0 +1,676 @@
+"""The idempotent Kafka consumer, and ``wrap`` for hand-written aiokafka loops.
+
+One Postgres transaction per batch of one partition (see :mod:`dedup.store`):
+fence + claim, handler on the fresh keys, dead letters and events, COMMIT; the
+offset lives in Postgres in that same transaction.  Kafka offsets are committed
+afterwards, every ``kafka_commit_interval`` seconds, for lag tools only: on
+assignment the consumer seeks to the offset stored in Postgres.
+
+Failure handling, in order of preference:
+
+- a transient error (lost connection, serialization failure, deadlock, broker
+  hiccup) retries the same batch with backoff, for as long as it takes;
+- a handler error splits the batch in halves until the failing message stands
+  alone (no SAVEPOINT per message on the happy path), retries it
+  ``max_attempts`` times, then dead-letters it whole; the partition moves on;
+- a stale fencing token (another owner took the partition) rolls the batch
+  back and stops work on that partition until Kafka assigns it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import socket
+import time
+import types
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiokafka
+import aiokafka.errors
+import asyncpg
+from aiokafka.structs import TopicPartition
+from opentelemetry import trace
+
+from dedup import db, errors, events, keys, store, telemetry
+from dedup import message as message_
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 500
+DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
+"""The ``idempotency-key`` header if present, else the Kafka record key."""
+
+STAT_NAMES = (
+    "messages",
+    "processed",
+    "duplicates",
+    "conflicts",
+    "dead_lettered",
+    "stale",
+    "retries",
+    "batches",
+)
+
+# A takeover waits at most this long for an old owner's open transaction; an old
+# owner that is paused is cut off sooner by db.IDLE_IN_TRANSACTION_TIMEOUT_MS.
+TAKEOVER_LOCK_TIMEOUT = "15s"
+MAX_BACKOFF = 5.0
+
+_AIOKAFKA_OPTIONS = frozenset(inspect.signature(aiokafka.AIOKafkaConsumer.__init__).parameters) - {
+    "self",
+    "topics",
+}
+
+
+@dataclass(slots=True)
+class _Partition:
+    """What this consumer holds for one assigned partition."""
+
+    token: int
+    expected: int | None  # next_offset in Postgres as we last left it
+    committed_to_kafka: int | None = None
+
+
+def _is_batch_handler(handler: Callable[..., Any]) -> bool:
+    """True when the handler's first parameter is annotated as a list or sequence."""
+    try:
+        params = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if not params or params[0].annotation is inspect.Parameter.empty:
+        return False
+    text = str(params[0].annotation).replace("typing.", "").replace("collections.abc.", "")
+    return text.startswith(("list[", "List[", "Sequence[", "<class 'list'>"))
+
+
+def _default_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _take_key(
+    strategy: keys.Strategy, on_missing_key: str, msg: message_.Message
+) -> store.DeadLetter | None:
+    """Set ``msg.idempotency_key``; return a dead letter when there is none to set."""
+    try:
+        msg.idempotency_key = keys.extract(strategy, msg)
+    except errors.KeyExtractionError as exc:
+        if on_missing_key == "offset":
+            msg.idempotency_key = msg.where
+            return None
+        return store.DeadLetter(msg, f"no idempotency key: {exc}")
+    return None
+
+
+class IdempotentConsumer:
+    """Consume Kafka topics and apply each message's effect in Postgres exactly once.
+
+    ``handler`` is ``async (msg: Message, tx: Tx) -> object``, called once per
+    fresh message with ``tx.conn`` inside the batch's transaction; or a batch
+    handler ``async (msgs: list[Message], tx: Tx) -> None`` that receives the
+    fresh messages of one transaction in offset order (chosen with
+    ``batch=True``, or found from a ``list[...]`` annotation on its first
+    parameter).
+
+    Keyword options that aiokafka's consumer knows (``auto_offset_reset``,
+    ``session_timeout_ms``, ``security_protocol``, ``ssl_context``, SASL
+    settings, ...) pass through under aiokafka's names.  Offsets are never
+    auto-committed: Postgres holds them.
+    """
+
+    def __init__(
+        self,
+        handler: Callable[..., Awaitable[object]],
+        *,
+        topics: Sequence[str],
+        group_id: str,
+        bootstrap_servers: str | Sequence[str],
+        dsn: str | None = None,
+        pool: Any = None,
+        key: keys.Strategy = DEFAULT_KEY,
+        namespace: str | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        batch: bool | None = None,
+        schema: str = "dedup",
+        holder: str | None = None,
+        on_missing_key: str = "dead_letter",
+        on_conflict: str = "dead_letter",
+        max_attempts: int = 3,
+        install_signal_handlers: bool = True,
+        shutdown_timeout: float = 30.0,
+        kafka_commit_interval: float = 1.0,
+        **options: Any,
+    ) -> None:
+        if (dsn is None) == (pool is None):
+            raise errors.ConfigurationError("pass exactly one of dsn= or pool=")
+        if isinstance(topics, str) or not topics:
+            raise errors.ConfigurationError("topics must be a non-empty list of topic names")
+        if not group_id:
+            raise errors.ConfigurationError("group_id must be set")
+        if not 1 <= batch_size <= 100_000:
+            raise errors.ConfigurationError(f"batch_size={batch_size}: expected 1 to 100000")
+        if max_attempts < 1:
+            raise errors.ConfigurationError(f"max_attempts={max_attempts}: expected 1 or more")
+        if on_missing_key not in ("dead_letter", "offset"):
+            raise errors.ConfigurationError(
+                f"on_missing_key={on_missing_key!r}: expected 'dead_letter' or 'offset'"
+            )
+        unknown = sorted(set(options) - _AIOKAFKA_OPTIONS)
+        if unknown:
+            raise errors.ConfigurationError(
+                f"unknown option(s) {', '.join(unknown)}: not a dedup setting nor an "
+                "aiokafka consumer option"
+            )
+        if options.get("enable_auto_commit"):
+            raise errors.ConfigurationError(
+                "enable_auto_commit=True: dedup stores offsets in Postgres; leave it off"
+            )
+        options.pop("enable_auto_commit", None)
+
+        self.handler = handler
+        self.topics = list(topics)
+        self.group_id = group_id
+        self.bootstrap_servers = bootstrap_servers
+        self.namespace = namespace or group_id
+        self.batch_size = batch_size
+        self.batch_handler = _is_batch_handler(handler) if batch is None else batch
+        self.holder = holder or _default_holder()
+        self.key = key
+        self.on_missing_key = on_missing_key
+        self.max_attempts = max_attempts
+        self.install_signal_handlers = install_signal_handlers
+        self.shutdown_timeout = shutdown_timeout
+        self.kafka_commit_interval = kafka_commit_interval
+        self.store = store.Store(  # validates the schema name and the conflict policy
+            schema_name=schema, namespace=self.namespace, conflict_policy=on_conflict
+        )
+        self._dsn = dsn
+        self._pool = pool
+        self._own_pool = pool is None
+        self._options = options
+        self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._owned: dict[TopicPartition, _Partition] = {}
+        self._work = asyncio.Lock()
+        self._stopping = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._kafka: Any = None
+        self._conn: asyncpg.Connection | None = None
+        self._last_kafka_commit = 0.0
+
+    @property
+    def stats(self) -> Mapping[str, int]:
+        """Counters since start.
+
+        ``messages`` (records committed, whatever their outcome), ``processed``
+        (applied), ``duplicates``, ``conflicts``, ``dead_lettered`` (conflicts
+        included under the default policy), ``stale`` (batches refused by the
+        fence), ``retries``, ``batches`` (transactions committed).
+        """
+        return types.MappingProxyType(self._stats)
+
+    @property
+    def assignment(self) -> set[tuple[str, int]]:
+        """The partitions this consumer holds a current token for."""
+        return {(tp.topic, tp.partition) for tp in self._owned}
+
+    # ------------------------------------------------------------ lifecycle --
+
+    async def run(self) -> None:
+        """Consume until :meth:`stop`, SIGTERM or SIGINT; a clean exit commits what was handled."""
+        if self._task is not None:
+            raise errors.ConfigurationError("this consumer is already running")
+        self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if self.install_signal_handlers else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            await self._start()
+            while not self._stopping.is_set():
+                await self._poll_once()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            await self._shutdown()
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Finish or roll back the batch in flight, commit what was handled, and return.
+
+        Waits up to ``shutdown_timeout`` seconds, then cancels the batch in flight
+        (its transaction rolls back, so its messages will be delivered again).
+        """
+        self._stopping.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._stopped.wait()), self.shutdown_timeout)
+        except TimeoutError:
+            log.warning(
+                "consumer %s did not stop in %.0fs; cancelling", self.holder, self.shutdown_timeout
+            )
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stopped.wait()
+
+    async def _start(self) -> None:
+        if self._dsn is not None:
+            self._pool = await db.create_pool(self._dsn, min_size=1, max_size=2)
+        await self._check_schema()
+        self._kafka = aiokafka.AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            **self._options,
+        )
+        try:
+            await self._kafka.start()
+            present = await self._kafka.topics()
+        except aiokafka.errors.KafkaError as exc:
+            await self._kafka.stop()
+            raise errors.ServiceUnavailableError(
+                f"cannot reach Kafka at bootstrap_servers={self.bootstrap_servers!r}: {exc}"
+            ) from exc
+        missing = [t for t in self.topics if t not in present]
+        if missing:
+            await self._kafka.stop()
+            raise errors.ConfigurationError(
+                f"topics: {', '.join(map(repr, missing))} not found on {self.bootstrap_servers}; "
+                "create them first"
+            )
+        self._kafka.subscribe(self.topics, listener=_Rebalance(self))
+        log.info("consumer %s started on %s (group %s)", self.holder, self.topics, self.group_id)
+
+    async def _check_schema(self) -> None:
+        name = self.store.schema_name
+        found = await self._pool.fetchval("SELECT to_regclass($1)", f'"{name}".processed')
+        if found is None:
+            raise errors.ConfigurationError(
+                f"no dedup tables in schema {name!r}: run `dedup migrate --dsn ...` first"
+            )
+
+    async def _shutdown(self) -> None:
+        if self._kafka is not None:
+            with contextlib.suppress(aiokafka.errors.KafkaError):
+                await self._commit_kafka(force=True)
+            # Leaving the group revokes our partitions (the listener needs the DB).
+            await self._kafka.stop()
+            self._kafka = None
+        await self._release_connection()
+        if self._own_pool and self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        log.info("consumer %s stopped: %s", self.holder, dict(self._stats))
+
+    # ----------------------------------------------------------------- loop --
+
+    async def _poll_once(self) -> None:
+        try:
+            fetched = await self._kafka.getmany(timeout_ms=250, max_records=self.batch_size)
+        except aiokafka.errors.KafkaError as exc:
+            if not getattr(exc, "retriable", False):
+                raise
+            log.warning("kafka fetch failed, retrying: %r", exc)
+            await self._sleep(1.0)
+            return
+        for tp, records in fetched.items():
+            if self._stopping.is_set():
+                break
+            await self._process_partition(tp, records)
+        await self._commit_kafka()
+
+    async def _process_partition(self, tp: TopicPartition, records: Sequence[Any]) -> None:
+        async with self._work:
+            part = self._owned.get(tp)
+            if part is None:  # revoked, or lost to a newer token, since the fetch
+                return
+            floor = part.expected if part.expected is not None else -1
+            msgs = [message_.Message.from_record(r) for r in records if r.offset >= floor]
+            for start in range(0, len(msgs), self.batch_size):
+                chunk = msgs[start : start + self.batch_size]
+                keyed, dead = [], []
+                for msg in chunk:
+                    letter = _take_key(self.key, self.on_missing_key, msg)
+                    if letter is None:
+                        keyed.append(msg)
+                    else:
+                        dead.append(letter)
+                if not await self._apply_retrying(tp, part, keyed, dead):
+                    return
+
+    async def _apply_retrying(
+        self,
+        tp: TopicPartition,
+        part: _Partition,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> bool:
+        """Apply one batch, retrying transient failures; False when the partition is gone."""
+        delay = 0.1
+        while True:
+            try:
+                await self._apply_isolating(tp, part, msgs, dead)
+            except errors.StaleTokenError as exc:
+                await self._lose(tp, part, exc)
+                return False
+            except Exception as exc:
+                if not db.is_retriable(exc):
+                    raise
+                self._stats["retries"] += 1
+                telemetry.transition("retried", {"error": store.describe(exc)})
+                log.warning("batch of %s failed (%r); retrying in %.1fs", tp, exc, delay)
+                await self._reset_connection()
+                if not await self._sleep(delay):
+                    return False  # stopping: the batch rolled back and will be redelivered
+                delay = min(delay * 2, MAX_BACKOFF)
+            else:
+                return True
+
+    async def _apply_isolating(
+        self,
+        tp: TopicPartition,
+        part: _Partition,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> None:
+        """Apply a batch; on a handler error, split it to find and dead-letter the culprit."""
+        failure = await self._try_transaction(tp, part, msgs, dead)
+        if failure is None:
+            return
+        if len(msgs) > 1:
+            half = len(msgs) // 2
+            left, right = msgs[:half], msgs[half:]
+            split_at = right[0].offset
+            log.info("handler failed on a batch of %d from %s; splitting", len(msgs), tp)
+            await self._apply_isolating(
+                tp, part, left, [d for d in dead if d.msg.offset < split_at]
+            )
+            await self._apply_isolating(
+                tp, part, right, [d for d in dead if d.msg.offset >= split_at]
+            )
+            return
+        msg = msgs[0]
+        for attempt in range(2, self.max_attempts + 1):
+            self._stats["retries"] += 1
+            telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": attempt})
+            await self._sleep(min(0.05 * 2**attempt, MAX_BACKOFF))
+            failure = await self._try_transaction(tp, part, [msg], dead)
+            if failure is None:
+                return
+        log.warning(
+            "dead-lettering %s after %d attempts: %s",
+            msg.where,
+            self.max_attempts,
+            type(failure).__name__,
+        )
+        letter = store.DeadLetter(
+            msg,
+            f"handler failed {self.max_attempts} times",
+            error=store.describe(failure),
+            attempts=self.max_attempts,
+        )
+        await self._transaction(tp, part, [], [*dead, letter])
+
+    async def _try_transaction(
+        self,
+        tp: TopicPartition,
+        part: _Partition,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> Exception | None:
+        """Run one transaction; return the handler's error, raise anything retriable or stale."""
+        try:
+            await self._transaction(tp, part, msgs, dead)
+        except errors.StaleTokenError:
+            raise
+        except Exception as exc:
+            if db.is_retriable(exc) or not msgs:
+                raise
+            return exc
+        return None
+
+    async def _transaction(
+        self,
+        tp: TopicPartition,
+        part: _Partition,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> None:
+        batch = len(msgs) + len(dead)
+        attributes: dict[str, Any] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": tp.topic,
+            "messaging.destination.partition.id": str(tp.partition),
+            "messaging.consumer.group.name": self.group_id,
+            "messaging.kafka.offset": (msgs or [d.msg for d in dead])[0].offset,
+            "messaging.batch.message_count": batch,
+            "dedup.namespace": self.namespace,
+            "dedup.token": part.token,
+        }
+        if batch == 1 and msgs and msgs[0].key is not None:
+            attributes["messaging.kafka.message.key"] = msgs[0].key.decode("utf-8", "replace")
+        links = [link for m in msgs if (link := telemetry.extract_link(m.raw_headers))]
+        started = time.perf_counter()
+        with telemetry.tracer.start_as_current_span(
+            f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links
+        ):
+            conn = await self._connection()
+            async with conn.transaction():
+                result = await self.store.apply(
+                    conn,
+                    msgs,
+                    handler=self.handler,
+                    batch_handler=self.batch_handler,
+                    fence=store.Fence(self.group_id, part.token, part.expected),
+                    dead=dead,
+                )
+        part.expected = result.next_offset
+        self._count(result, batch, time.perf_counter() - started, tp)
+
+    def _count(
+        self, result: store.BatchResult, batch: int, elapsed: float, tp: TopicPartition
+    ) -> None:
+        stats = self._stats
+        stats["batches"] += 1
+        stats["messages"] += batch
+        stats["processed"] += len(result.applied)
+        stats["duplicates"] += len(result.duplicates)
+        stats["conflicts"] += len(result.conflicts)
+        stats["dead_lettered"] += len(result.dead_letters)
+        attrs = {"messaging.destination.name": tp.topic, "dedup.namespace": self.namespace}
+        telemetry.processed.add(len(result.applied), attrs)
+        if result.duplicates:
+            telemetry.duplicates.add(len(result.duplicates), attrs)
+        if result.conflicts:
+            telemetry.conflicts.add(len(result.conflicts), attrs)
+        if result.dead_letters:
+            telemetry.dead_lettered.add(len(result.dead_letters), attrs)
+        telemetry.batch_size.record(batch, attrs)
+        telemetry.transaction_duration.record(elapsed, attrs)
+        if result.applied:
+            lag = time.time() - result.applied[-1].timestamp / 1000
+            telemetry.end_to_end_lag.record(max(lag, 0.0), attrs)
+
+    # ------------------------------------------------------------ ownership --
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        if not assigned:
+            return
+        wanted = sorted((tp.topic, tp.partition) for tp in assigned)
+        async with self._work:
+            delay = 0.1
+            while True:
+                try:
+                    conn = await self._connection()
+                    async with conn.transaction():
+                        await conn.execute(f"SET LOCAL lock_timeout = '{TAKEOVER_LOCK_TIMEOUT}'")
+                        taken = await self.store.take_partitions(
+                            conn, self.group_id, self.holder, wanted
+                        )
+                    break
+                except Exception as exc:
+                    if not db.is_retriable(exc) or self._stopping.is_set():
+                        raise
+                    log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
+                    await self._reset_connection()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MAX_BACKOFF)
+            for tp in assigned:
+                token, next_offset = taken[(tp.topic, tp.partition)]
+                self._owned[tp] = _Partition(token, next_offset, next_offset)
+                if next_offset is not None:
+                    self._kafka.seek(tp, next_offset)
+                if tp in self._kafka.paused():
+                    self._kafka.resume(tp)
+        log.info("consumer %s took %s", self.holder, wanted)
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        async with self._work:  # waits for the batch in flight to commit or roll back
+            with contextlib.suppress(aiokafka.errors.KafkaError):
+                await self._commit_kafka(force=True)
+            gone = [(tp, self._owned.pop(tp)) for tp in revoked if tp in self._owned]
+        for tp, part in gone:
+            telemetry.transition(
+                "partition_revoked",
+                {"resource": f"{self.group_id}:{tp.topic}:{tp.partition}", "token": part.token},
+            )
+        if gone:
+            log.info("consumer %s gave up %s", self.holder, [str(tp) for tp, _ in gone])
+
+    async def _lose(
+        self, tp: TopicPartition, part: _Partition, exc: errors.StaleTokenError
+    ) -> None:
+        """A newer owner holds ``tp``: stop working on it until Kafka assigns it to us again."""
+        self._owned.pop(tp, None)
+        self._kafka.pause(tp)
+        self._stats["stale"] += 1
+        telemetry.stale_rejections.add(1, {"messaging.destination.name": tp.topic})
+        log.warning("consumer %s: %s", self.holder, exc)
+        event = events.Event(
+            "partition",
+            "stale_rejected",
+            namespace=self.namespace,
+            resource=exc.resource,
+            holder=self.holder,
+            token=part.token,
+            detail={"expected_offset": part.expected},
+        )
+        try:
+            conn = await self._connection()
+            await events.record(conn, self.store.schema_name, [event])
+        except Exception as record_exc:
+            if not db.is_retriable(record_exc):
+                raise
+            log.warning("could not record stale_rejected for %s: %r", tp, record_exc)
+
+    async def _commit_kafka(self, *, force: bool = False) -> None:
+        """Tell Kafka where Postgres stands, for lag tools; Postgres stays authoritative."""
+        now = time.monotonic()
+        if not force and now - self._last_kafka_commit < self.kafka_commit_interval:
+            return
+        self._last_kafka_commit = now
+        offsets = {
+            tp: part.expected
+            for tp, part in self._owned.items()
+            if part.expected is not None and part.expected != part.committed_to_kafka
+        }
+        if not offsets:
+            return
+        try:
+            await self._kafka.commit(offsets)
+        except (aiokafka.errors.CommitFailedError, aiokafka.errors.IllegalStateError) as exc:
+            log.info("kafka offset commit skipped: %r", exc)
+            return
+        for tp, offset in offsets.items():
+            if tp in self._owned:
+                self._owned[tp].committed_to_kafka = offset
+
+    # ------------------------------------------------------------- plumbing --
+
+    async def _connection(self) -> asyncpg.Connection:
+        if self._conn is None or self._conn.is_closed():
+            await self._release_connection()
+            self._conn = await self._pool.acquire()
+        return self._conn
+
+    async def _release_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pool is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn, timeout=5)
+
+    async def _reset_connection(self) -> None:
+        if self._conn is not None and self._conn.is_closed():
+            await self._release_connection()
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep unless asked to stop; True if the full time passed."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            return True
+        return False
+
+
+class _Rebalance(aiokafka.ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, consumer: IdempotentConsumer) -> None:
+        self.consumer = consumer
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.consumer._on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self.consumer._on_assigned(assigned)
+
+
+def wrap(
+    handler: Callable[..., Awaitable[object]],
+    *,
+    pool: Any,
+    namespace: str,
+    key: keys.Strategy = DEFAULT_KEY,
+    schema: str = "dedup",
+    on_missing_key: str = "dead_letter",
+    on_conflict: str = "dead_letter",
+) -> Callable[[Any], Awaitable[message_.Outcome]]:
+    """Make ``handler`` idempotent inside your own aiokafka loop.
+
+    Returns ``async (record: aiokafka.ConsumerRecord) -> Outcome``: claims the
+    record's key and runs ``handler(msg, tx)`` in one transaction when the key is
+    fresh.  There is no partition lease here (``tx.token`` is 0): your loop owns
+    offsets, and the key claim alone makes redelivery harmless.  A handler error
+    rolls back and propagates, so your loop decides whether to retry.
+    """
+    writes = store.Store(schema_name=schema, namespace=namespace, conflict_policy=on_conflict)
+
+    async def handle(record: Any) -> message_.Outcome:
+        msg = message_.Message.from_record(record)
+        letter = _take_key(key, on_missing_key, msg)
+        async with pool.acquire() as conn, conn.transaction():
+            result = await writes.apply(
+                conn,
+                [msg] if letter is None else [],
+                handler=handler,
+                batch_handler=False,
+                fence=None,
+                dead=[letter] if letter else [],
+            )
+        if result.applied:
+            return message_.Outcome.PROCESSED
+        if result.conflicts:
+            return message_.Outcome.CONFLICT
+        if result.dead_letters:
+            return message_.Outcome.DEAD_LETTERED
+        return message_.Outcome.DUPLICATE
+
+    return handle

@@ -1,0 +1,85 @@
+"""The values a handler sees: the message, the transaction it runs in, and outcomes."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import orjson
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    """One Kafka record, with the idempotency key dedup took from it."""
+
+    topic: str
+    """The topic it was read from."""
+    partition: int
+    """Its partition."""
+    offset: int
+    """Its offset in the partition."""
+    key: bytes | None
+    """The Kafka record key, if any."""
+    value: bytes
+    """The record value (``b""`` for a tombstone)."""
+    headers: dict[str, bytes]
+    """Record headers by name (the last one wins when a name repeats; see ``raw_headers``)."""
+    timestamp: int
+    """The record timestamp, in milliseconds since the epoch."""
+    idempotency_key: str = ""
+    """The key that makes the message's effect happen once (set before the handler runs)."""
+    raw_headers: tuple[tuple[str, bytes], ...] = ()
+    """The headers exactly as they came, in order, repeats included."""
+    _decoded: Any = field(default=None, repr=False)
+
+    def json(self) -> Any:
+        """The value decoded as JSON (orjson), decoded once and kept."""
+        if self._decoded is None:
+            self._decoded = orjson.loads(self.value)
+        return self._decoded
+
+    @property
+    def where(self) -> str:
+        """``topic:partition:offset``, for messages and logs."""
+        return f"{self.topic}:{self.partition}:{self.offset}"
+
+    @classmethod
+    def from_record(cls, record: Any) -> Message:
+        """Build a message from an ``aiokafka.ConsumerRecord``."""
+        raw = tuple(record.headers or ())
+        return cls(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
+            value=record.value if record.value is not None else b"",
+            headers=dict(raw),
+            timestamp=record.timestamp,
+            raw_headers=raw,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Tx:
+    """The open transaction a handler writes in."""
+
+    conn: asyncpg.Connection
+    """The asyncpg connection, inside the transaction; business writes go here."""
+    token: int
+    """The fencing token the transaction runs under (0 for ``wrap``, which has no partition
+    lease)."""
+
+
+class Outcome(enum.Enum):
+    """What happened to one message."""
+
+    PROCESSED = "processed"
+    """Its key was fresh: the handler ran and its writes committed with the key."""
+    DUPLICATE = "duplicate"
+    """Its key was already applied with the same payload: nothing ran."""
+    CONFLICT = "conflict"
+    """Its key was already applied with a different payload: nothing ran; recorded."""
+    DEAD_LETTERED = "dead_lettered"
+    """It could not be handled; the whole record is in ``dead_letters`` with the reason."""

@@ -1,0 +1,287 @@
+"""What happens inside one batch transaction, for the consumer and for ``wrap``.
+
+The caller opens the transaction; :meth:`Store.apply` then, on that connection:
+
+1. fences and claims in one statement (``fence_and_claim``): the partition's
+   offset moves only under the current token, and the batch's keys are claimed
+   with one set-based ``INSERT ... ON CONFLICT``;
+2. runs the handler for the fresh keys only, in offset order;
+3. writes dead letters and the events of duplicates, conflicts and dead letters.
+
+If the fence fails nothing was written and :class:`dedup.StaleTokenError` is
+raised, so the caller's transaction rolls back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from dedup import errors, events, schema
+from dedup import message as message_
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[message_.Message, message_.Tx], Awaitable[object]]
+BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]]
+
+CONFLICT_POLICIES = ("dead_letter", "record")
+
+
+def payload_hash(value: bytes) -> bytes:
+    """The 16-byte BLAKE2b digest stored with each key to tell duplicates from conflicts."""
+    return hashlib.blake2b(value, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A message that will not be applied, and why."""
+
+    msg: message_.Message
+    """The whole record."""
+    reason: str
+    """Why, in words an operator can act on."""
+    error: str | None = None
+    """The exception, if one was raised."""
+    attempts: int = 1
+    """How many times it was tried."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The partition lease a consumer batch runs under."""
+
+    group_id: str
+    """The consumer group."""
+    token: int
+    """This holder's fencing token for the partition."""
+    expected: int | None
+    """The partition's ``next_offset`` as this holder last left it (None: never set)."""
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What one committed batch did."""
+
+    applied: list[message_.Message] = field(default_factory=list)
+    duplicates: list[message_.Message] = field(default_factory=list)
+    conflicts: list[message_.Message] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    next_offset: int | None = None
+    """Where the partition's offset stands once this batch commits."""
+
+
+class Store:
+    """dedup's writes for one namespace, rendered for one schema."""
+
+    def __init__(
+        self,
+        *,
+        schema_name: str,
+        namespace: str,
+        conflict_policy: str = "dead_letter",
+    ) -> None:
+        if conflict_policy not in CONFLICT_POLICIES:
+            raise errors.ConfigurationError(
+                f"on_conflict={conflict_policy!r}: expected one of {', '.join(CONFLICT_POLICIES)}"
+            )
+        self.schema_name = schema_name
+        self.namespace = namespace
+        self.conflict_policy = conflict_policy
+        self.queries = schema.Queries(schema_name)
+
+    async def take_partitions(
+        self,
+        conn: asyncpg.Connection,
+        group_id: str,
+        holder: str,
+        partitions: Sequence[tuple[str, int]],
+    ) -> dict[tuple[str, int], tuple[int, int | None]]:
+        """Take ``partitions`` with fresh tokens; return ``{(topic, p): (token, next_offset)}``."""
+        rows = await conn.fetch(
+            self.queries.take_partitions,
+            group_id,
+            holder,
+            [t for t, _ in partitions],
+            [p for _, p in partitions],
+        )
+        taken = {(r["topic"], r["partition"]): (r["token"], r["next_offset"]) for r in rows}
+        await events.record(
+            conn,
+            self.schema_name,
+            [
+                events.Event(
+                    "partition",
+                    "partition_acquired",
+                    namespace=self.namespace,
+                    resource=f"{group_id}:{topic}:{part}",
+                    holder=holder,
+                    token=token,
+                    detail={"next_offset": next_offset},
+                )
+                for (topic, part), (token, next_offset) in taken.items()
+            ],
+        )
+        return taken
+
+    async def apply(
+        self,
+        conn: asyncpg.Connection,
+        msgs: Sequence[message_.Message],
+        *,
+        handler: MessageHandler | BatchHandler,
+        batch_handler: bool,
+        fence: Fence | None,
+        dead: Sequence[DeadLetter] = (),
+        group_id: str | None = None,
+    ) -> BatchResult:
+        """Apply one batch inside the caller's open transaction (see the module docstring).
+
+        ``msgs`` have their idempotency keys set; ``dead`` are messages of the same
+        partition to dead-letter instead of applying.  All of them are consecutive
+        records of one partition.
+        """
+        result = BatchResult(dead_letters=list(dead))
+        first: dict[str, tuple[message_.Message, bytes]] = {}
+        copies: dict[str, list[int]] = {}  # key -> [duplicates, conflicts] inside this batch
+        for msg in msgs:
+            digest = payload_hash(msg.value)
+            seen = first.get(msg.idempotency_key)
+            if seen is None:
+                first[msg.idempotency_key] = (msg, digest)
+                continue
+            counts = copies.setdefault(msg.idempotency_key, [0, 0])
+            if seen[1] == digest:
+                counts[0] += 1
+                result.duplicates.append(msg)
+            else:
+                counts[1] += 1
+                self._conflict(result, msg, seen[0].where)
+
+        offsets = [m.offset for m in msgs] + [d.msg.offset for d in dead]
+        if not offsets:
+            return result
+        result.next_offset = max(offsets) + 1
+        any_msg = msgs[0] if msgs else dead[0].msg
+        keys = list(first)
+        rows = await conn.fetch(
+            self.queries.fence_and_claim,
+            fence.group_id if fence else None,
+            any_msg.topic,
+            any_msg.partition,
+            result.next_offset,
+            fence.token if fence else None,
+            fence.expected if fence else None,
+            self.namespace,
+            keys,
+            [first[k][0].offset for k in keys],
+            [first[k][1] for k in keys],
+            [copies.get(k, (0, 0))[0] for k in keys],
+            [copies.get(k, (0, 0))[1] for k in keys],
+        )
+        if fence is not None and rows[0]["fenced"] == 0:
+            raise errors.StaleTokenError(
+                f"{fence.group_id}:{any_msg.topic}:{any_msg.partition}", fence.token
+            )
+
+        for row in rows:
+            key = row["idempotency_key"]
+            if key is None:  # the batch had no keys to claim, only dead letters
+                continue
+            msg, digest = first[key]
+            if row["fresh"]:
+                result.applied.append(msg)
+            elif row["payload_hash"] == digest:
+                result.duplicates.append(msg)
+            else:
+                original = f"{row['topic']}:{row['partition']}:{row['offset']}"
+                self._conflict(result, msg, original)
+        result.applied.sort(key=lambda m: m.offset)
+
+        if result.applied:
+            tx = message_.Tx(conn=conn, token=fence.token if fence else 0)
+            if batch_handler:
+                await handler(result.applied, tx)  # type: ignore[arg-type]
+            else:
+                for msg in result.applied:
+                    await handler(msg, tx)  # type: ignore[arg-type]
+
+        if result.dead_letters:
+            await self._dead_letter(conn, result.dead_letters, fence, group_id)
+        await events.record(conn, self.schema_name, self._events(result, fence))
+        return result
+
+    def _conflict(self, result: BatchResult, msg: message_.Message, original: str) -> None:
+        result.conflicts.append(msg)
+        if self.conflict_policy == "dead_letter":
+            result.dead_letters.append(
+                DeadLetter(
+                    msg,
+                    f"conflict: key {msg.idempotency_key!r} was applied from {original} "
+                    "with a different payload",
+                )
+            )
+
+    async def _dead_letter(
+        self,
+        conn: asyncpg.Connection,
+        dead: Sequence[DeadLetter],
+        fence: Fence | None,
+        group_id: str | None,
+    ) -> None:
+        await conn.executemany(
+            self.queries.dead_letter,
+            [
+                (
+                    self.namespace,
+                    fence.group_id if fence else group_id,
+                    d.msg.topic,
+                    d.msg.partition,
+                    d.msg.offset,
+                    d.msg.timestamp,
+                    d.msg.key,
+                    d.msg.value,
+                    [name for name, _ in d.msg.raw_headers],
+                    [value for _, value in d.msg.raw_headers],
+                    d.msg.idempotency_key or None,
+                    d.reason,
+                    d.error,
+                    d.attempts,
+                    fence.token if fence else None,
+                )
+                for d in dead
+            ],
+        )
+
+    def _events(self, result: BatchResult, fence: Fence | None) -> list[events.Event]:
+        token = fence.token if fence else None
+
+        def event(kind: str, msg: message_.Message, **detail: Any) -> events.Event:
+            return events.Event(
+                "message",
+                kind,
+                namespace=self.namespace,
+                key=msg.idempotency_key or None,
+                resource=f"{msg.topic}:{msg.partition}",
+                token=token,
+                detail={"offset": msg.offset, **detail},
+            )
+
+        made = [event("duplicate", m) for m in result.duplicates]
+        made += [event("conflict", m) for m in result.conflicts]
+        made += [
+            event("dead_lettered", d.msg, reason=d.reason, attempts=d.attempts)
+            for d in result.dead_letters
+        ]
+        return made
+
+
+def describe(value: Any) -> str:
+    """A short, payload-free description of an exception for dead letters and logs."""
+    text = f"{type(value).__name__}: {value}"
+    return text if len(text) <= 500 else text[:497] + "..."
