@@ -17,19 +17,26 @@ from dedup.errors import (
     ServiceUnavailableError,
     StaleTokenError,
 )
+from dedup.leases import Lease, Leases
 from dedup.message import Message, Outcome, Tx
 from dedup.migrations import migrate
+from dedup.tasks import TaskOutcome, TaskRun, TaskRunner
 
 __all__ = [
     "ConfigurationError",
     "DedupError",
     "IdempotentConsumer",
     "KeyExtractionError",
+    "Lease",
+    "Leases",
     "Message",
     "MigrationError",
     "Outcome",
     "ServiceUnavailableError",
     "StaleTokenError",
+    "TaskOutcome",
+    "TaskRun",
+    "TaskRunner",
     "Tx",
     "keys",
     "migrate",

@@ -57,3 +57,89 @@ INSERT INTO {schema}.dead_letters
      header_names, header_values, idempotency_key, reason, error, attempts, token)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 ON CONFLICT (namespace, topic, "partition", "offset") DO NOTHING
+
+-- ---------------------------------------------------------------------------
+-- Leases and run-once tasks (dedup/leases.py, dedup/tasks.py).  Lease times
+-- are the database's clock_timestamp(): the server's clock at the statement,
+-- never a worker's, and not frozen at transaction start like now().
+
+-- name: lease_acquire
+-- Take the resource when it is free or its lease expired; the token grows by
+-- one on every acquisition.  $1 resource, $2 holder, $3 ttl in seconds.
+INSERT INTO {schema}.leases AS l
+    (resource, holder, token, ttl, acquired_at, renewed_at, expires_at)
+SELECT $1, $2, 1, make_interval(secs => $3), n.t, n.t, n.t + make_interval(secs => $3)
+  FROM (SELECT clock_timestamp() AS t) AS n
+ON CONFLICT (resource) DO UPDATE
+   SET holder = EXCLUDED.holder, token = l.token + 1, ttl = EXCLUDED.ttl,
+       acquired_at = EXCLUDED.acquired_at, renewed_at = EXCLUDED.renewed_at,
+       expires_at = EXCLUDED.expires_at, released_at = NULL
+ WHERE l.expires_at <= clock_timestamp()
+RETURNING resource, holder, token, ttl, acquired_at, renewed_at, expires_at
+
+-- name: lease_renew
+-- Extend a live lease by its ttl ($3 seconds, or NULL to keep the stored one),
+-- only while $2 is still its token.
+UPDATE {schema}.leases AS l
+   SET renewed_at = n.t,
+       ttl = coalesce(make_interval(secs => $3), l.ttl),
+       expires_at = n.t + coalesce(make_interval(secs => $3), l.ttl)
+  FROM (SELECT clock_timestamp() AS t) AS n
+ WHERE l.resource = $1 AND l.token = $2 AND l.expires_at > n.t
+RETURNING l.resource, l.holder, l.token, l.ttl, l.acquired_at, l.renewed_at, l.expires_at
+
+-- name: lease_release
+-- Expire a live lease now; the row and its token stay for the next holder.
+UPDATE {schema}.leases AS l
+   SET expires_at = n.t, released_at = n.t
+  FROM (SELECT clock_timestamp() AS t) AS n
+ WHERE l.resource = $1 AND l.token = $2 AND l.expires_at > n.t
+RETURNING l.released_at
+
+-- name: lease_fence
+-- The fence: a conditional UPDATE in the caller's transaction.  A row comes
+-- back only while $2 is the token and the lease is live; the row lock it takes
+-- makes a takeover wait until that transaction ends.
+UPDATE {schema}.leases
+   SET token = token
+ WHERE resource = $1 AND token = $2 AND expires_at > clock_timestamp()
+RETURNING expires_at
+
+-- name: lease_get
+SELECT resource, holder, token, ttl, acquired_at, renewed_at, expires_at, released_at,
+       expires_at > clock_timestamp() AS live
+  FROM {schema}.leases
+ WHERE resource = $1
+
+-- name: task_ensure
+INSERT INTO {schema}.tasks (task, business_key) VALUES ($1, $2)
+ON CONFLICT (task, business_key) DO NOTHING
+
+-- name: task_start
+UPDATE {schema}.tasks
+   SET state = 'running', attempts = attempts + 1, holder = $3, token = $4, forced = $5,
+       started_at = clock_timestamp(), finished_at = NULL, updated_at = clock_timestamp()
+ WHERE task = $1 AND business_key = $2
+RETURNING attempts
+
+-- name: task_finish
+-- Only the current run may finish the task: $3 is its token.
+UPDATE {schema}.tasks
+   SET state = $4, result = $5, last_error = $6,
+       finished_at = clock_timestamp(), updated_at = clock_timestamp()
+ WHERE task = $1 AND business_key = $2 AND token = $3 AND state = 'running'
+RETURNING attempts
+
+-- name: task_give_up
+-- A running task whose holder vanished and which has no attempts left.
+UPDATE {schema}.tasks
+   SET state = 'failed', last_error = $3,
+       finished_at = clock_timestamp(), updated_at = clock_timestamp()
+ WHERE task = $1 AND business_key = $2 AND state = 'running'
+
+-- name: task_get
+-- With FOR UPDATE appended, runners of one (task, key) queue here one claim at a time.
+SELECT task, business_key, state, attempts, holder, token, forced, started_at, finished_at,
+       last_error, result
+  FROM {schema}.tasks
+ WHERE task = $1 AND business_key = $2
