@@ -227,7 +227,7 @@ class Leases:
         """The error for ``lease`` once it is no longer current, saying who has it now."""
         row = await conn.fetchrow(self._q.lease_get, lease.resource)
         if row is not None and row["token"] != lease.token:
-            why = f"{row['holder']!r} holds it now with token {row['token']}"
+            why = f"{row['holder']!r} took over with token {row['token']}"
         else:
             why = "it expired before it was renewed"
         return errors.StaleTokenError(

@@ -336,7 +336,8 @@ class TaskRunner:
         ``lease_ttl`` seconds, database time) is renewed every
         ``lease_ttl * renew_fraction`` seconds; if a renewal fails the job is
         cancelled and ``on_lease_lost`` is called.  ``force=True`` runs a
-        succeeded (or out-of-attempts) task again and records that it was forced.
+        succeeded (or out-of-attempts) task again and records that it was
+        forced; it never takes a live lease from a running holder.
         """
         if not task or ":" in task:
             raise errors.ConfigurationError(

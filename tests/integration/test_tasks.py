@@ -97,7 +97,7 @@ async def test_twenty_processes_racing_on_one_key_run_the_job_once(
     go = tmp_path / "go"
     workers = [
         await task_worker.start(
-            *cli(dsn, "record", "--ttl", "2", "--holder", f"r{i}"),
+            *cli(dsn, "record", "--ttl", "5", "--holder", f"r{i}"),
             ready=tmp_path / f"ready-{i}",
             go=go,
             env={"TASK_JOB_SECONDS": "1"},
@@ -132,7 +132,7 @@ async def test_twenty_processes_racing_on_one_key_run_the_job_once(
 async def test_a_killed_holder_is_taken_over_after_its_ttl(
     dsn: str, pool: Any, job_runs: None
 ) -> None:
-    holder = await task_worker.start(*cli(dsn, "hang", "--ttl", "1", "--holder", "A"))
+    holder = await task_worker.start(*cli(dsn, "hang", "--ttl", "2", "--holder", "A"))
 
     async def started() -> bool:
         await holder.running()
@@ -178,7 +178,7 @@ async def test_a_paused_holder_that_resumes_is_fenced_off(
 ) -> None:
     marker = tmp_path / "resume"
     holder = await task_worker.start(
-        *cli(dsn, "stubborn", "--ttl", "1", "--holder", "A"),
+        *cli(dsn, "stubborn", "--ttl", "2", "--holder", "A"),
         env={"TASK_JOB_MARKER": str(marker)},
     )
 
@@ -198,7 +198,7 @@ async def test_a_paused_holder_that_resumes_is_fenced_off(
     code, out, err = await holder.finish()
     assert code == 1, out + err
     assert "fence refused token 1" in out
-    assert "'B' holds it now with token 2" in out
+    assert "'B' took over with token 2" in out
     assert "failed (token 1, attempt 1, holder A)" in out
     # Nothing A wrote after the takeover committed, and the task stays B's.
     assert await runs(pool) == [("before", "A", 1), ("ran", "B", 2)]
@@ -318,9 +318,7 @@ async def test_the_watchdog_renews_a_long_job_and_a_lost_lease_cancels_it(pool: 
         rival = await dedup.TaskRunner(pool=pool, holder="rival").run("long", "k", long_job)
         return rival.status
 
-    outcome = await dedup.TaskRunner(pool=pool, holder="w").run(
-        "long", "k", long_job, lease_ttl=0.5
-    )
+    outcome = await dedup.TaskRunner(pool=pool, holder="w").run("long", "k", long_job, lease_ttl=1)
     assert (outcome.status, outcome.result, outcome.attempts) == ("succeeded", "skipped_running", 1)
 
     told: list[tuple[int, str]] = []
@@ -337,7 +335,7 @@ async def test_the_watchdog_renews_a_long_job_and_a_lost_lease_cancels_it(pool: 
     runner = dedup.TaskRunner(
         pool=pool, holder="w", on_lease_lost=lambda run, err: told.append((run.token, str(err)))
     )
-    running = asyncio.create_task(runner.run("lost", "k", endless, lease_ttl=0.6))
+    running = asyncio.create_task(runner.run("lost", "k", endless, lease_ttl=1))
     await asyncio.wait_for(started.wait(), 10)
     # A stalled database (here: a row lock held elsewhere) keeps renewals from
     # getting through; the job is stopped before its lease would run out.
