@@ -48,10 +48,14 @@ def crontab(text: str, dsn: str) -> tuple[dict[str, str], list[str]]:
 
 
 async def sh(command: str, *, cwd: Path, env: dict[str, str]) -> tuple[int, str, str]:
+    """Run ``command`` with /bin/sh: (exit code, stdout, stderr)."""
+    return await run("/bin/sh", "-c", command, cwd=cwd, env=env)
+
+
+async def run(*argv: str, cwd: Path, env: dict[str, str]) -> tuple[int, str, str]:
+    """Run ``argv``: (exit code, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        "/bin/sh",
-        "-c",
-        command,
+        *argv,
         cwd=cwd,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -109,18 +113,9 @@ async def test_every_snippet_of_the_run_once_howto_works(
     assert again[0] == 0 and "skipped_done (token 1" in again[1], again
 
     # 5. The forced rerun from Python: the next token, the next attempt.
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        rerun,
-        cwd=billing,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    assert out.decode().split() == ["succeeded", "2", "2"]
+    code, out, err = await run(sys.executable, "-c", rerun, cwd=billing, env=env)
+    assert code == 0, err
+    assert out.split() == ["succeeded", "2", "2"]
 
     # 6. The operator's queries show the forced run and its story.
     tasks_query, events_query = (q for q in queries.split(";") if q.strip())
