@@ -521,6 +521,7 @@ class IdempotentConsumer:
                 except Exception as exc:
                     if not db.is_retriable(exc) or self._stopping.is_set():
                         raise
+                    self._stats["retries"] += 1
                     log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
                     await self._reset_connection()
                     await asyncio.sleep(delay)
@@ -598,7 +599,7 @@ class IdempotentConsumer:
     # ------------------------------------------------------------- plumbing --
 
     async def _connection(self) -> asyncpg.Connection:
-        if self._conn is None or self._conn.is_closed():
+        if self._conn is None or not _usable(self._conn):
             await self._release_connection()
             self._conn = await self._pool.acquire()
         return self._conn
@@ -610,8 +611,8 @@ class IdempotentConsumer:
                 await self._pool.release(conn, timeout=5)
 
     async def _reset_connection(self) -> None:
-        if self._conn is not None and self._conn.is_closed():
-            await self._release_connection()
+        """After a transient failure: start again on a fresh connection."""
+        await self._release_connection()
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep unless asked to stop; True if the full time passed."""
@@ -619,6 +620,15 @@ class IdempotentConsumer:
             await asyncio.wait_for(self._stopping.wait(), seconds)
         except TimeoutError:
             return True
+        return False
+
+
+def _usable(conn: asyncpg.Connection) -> bool:
+    # asyncpg detaches a pooled connection that the server closed; asking a
+    # detached proxy anything raises InterfaceError.
+    try:
+        return not conn.is_closed()
+    except asyncpg.InterfaceError:
         return False
 
 

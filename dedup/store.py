@@ -168,7 +168,9 @@ class Store:
             return result
         result.next_offset = max(offsets) + 1
         any_msg = msgs[0] if msgs else dead[0].msg
-        keys = list(first)
+        # Claim in key order: two batches that share keys then lock them in the
+        # same order and can't deadlock.
+        keys = sorted(first)
         rows = await conn.fetch(
             self.queries.fence_and_claim,
             fence.group_id if fence else None,

@@ -1,0 +1,84 @@
+"""A consumer in its own OS process, for tests that kill, pause or crowd it.
+
+    python -m tests.integration.consumer_process --dsn DSN --bootstrap-servers HOST:PORT \
+        --topic T --group G [--batch-size N] [--hold SECONDS] [--idle-timeout-ms MS]
+
+It applies the ``effects`` rows of :mod:`tests.integration.consumer_support`
+with the batch handler.  ``--hold`` keeps each batch's transaction open that long
+after its writes, and prints ``IN_BATCH <partition> <first offset> <token>`` just before, so
+a test can strike while a batch is in flight.  It prints ``READY <holder>`` once
+running and ``STATS <json>`` when it stops cleanly (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import orjson
+
+import dedup
+from dedup import db
+from tests.integration import consumer_support as support
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def main(args: argparse.Namespace) -> None:
+    pool = await db.create_pool(
+        args.dsn,
+        server_settings={"idle_in_transaction_session_timeout": str(args.idle_timeout_ms)},
+    )
+    await pool.execute(support.EFFECTS)
+
+    async def handler(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        await support.record_effects(msgs, tx)
+        if args.hold:
+            say(f"IN_BATCH {msgs[0].partition} {msgs[0].offset} {tx.token}")
+            await asyncio.sleep(args.hold)
+
+    consumer = dedup.IdempotentConsumer(
+        handler,
+        topics=[args.topic],
+        group_id=args.group,
+        bootstrap_servers=args.bootstrap_servers,
+        pool=pool,
+        key=dedup.keys.json_field("id"),
+        batch_size=args.batch_size,
+        auto_offset_reset="earliest",
+        session_timeout_ms=args.session_timeout_ms,
+        heartbeat_interval_ms=max(args.session_timeout_ms // 6, 100),
+        max_poll_interval_ms=args.max_poll_interval_ms,
+        holder=args.holder,
+    )
+    say(f"READY {consumer.holder}")
+    try:
+        await consumer.run()
+    finally:
+        say("STATS " + orjson.dumps(dict(consumer.stats)).decode())
+        await pool.close()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--bootstrap-servers", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--group", required=True)
+    p.add_argument("--holder")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--idle-timeout-ms", type=int, default=3000)
+    p.add_argument("--session-timeout-ms", type=int, default=3000)
+    p.add_argument("--max-poll-interval-ms", type=int, default=300_000)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    asyncio.run(main(parse()))

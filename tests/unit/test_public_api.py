@@ -1,0 +1,54 @@
+"""The names outside code relies on (DESIGN.md section 3) are exactly the public surface."""
+
+from __future__ import annotations
+
+import inspect
+
+import dedup
+
+CONTRACT = {
+    "IdempotentConsumer",
+    "Message",
+    "Tx",
+    "keys",
+    "wrap",
+    "migrate",
+    "StaleTokenError",
+    "TaskRunner",
+    "TaskRun",
+    "TaskOutcome",
+    "Outcome",
+}
+
+
+def test_all_holds_the_contract_and_every_name_exists() -> None:
+    assert CONTRACT <= set(dedup.__all__)
+    assert all(hasattr(dedup, name) for name in dedup.__all__)
+    assert sorted(dedup.__all__) == dedup.__all__
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    for name in dedup.__all__:
+        assert inspect.getdoc(getattr(dedup, name)), name
+
+
+def test_key_strategies_of_the_contract() -> None:
+    for name in ("header", "json_field", "kafka_key", "offset", "first"):
+        assert callable(getattr(dedup.keys, name))
+
+
+def test_consumer_signature_of_the_contract() -> None:
+    params = inspect.signature(dedup.IdempotentConsumer).parameters
+    for name in (
+        "topics",
+        "group_id",
+        "bootstrap_servers",
+        "dsn",
+        "pool",
+        "key",
+        "namespace",
+        "batch_size",
+        "install_signal_handlers",
+    ):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert dedup.consumer.DEFAULT_BATCH_SIZE == 500
