@@ -168,6 +168,9 @@ class TaskRun:
 
         Commit the job's last writes and the task's success together, so a
         crash between the two can never make the next runner repeat the job.
+        Call it before any fence of your own in that transaction (as
+        :meth:`transaction` does): the task row is locked before the lease
+        row, in the same order as a runner's claim, so the two never deadlock.
         """
         if not conn.is_in_transaction():
             raise errors.ConfigurationError(

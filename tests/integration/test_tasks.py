@@ -173,6 +173,28 @@ async def test_a_killed_holder_is_taken_over_after_its_ttl(
     }
 
 
+async def test_sigterm_marks_the_task_failed_and_frees_it_at_once(
+    dsn: str, pool: Any, job_runs: None
+) -> None:
+    # A 30 s lease: the next runner gets the task at once only because it was released.
+    holder = await task_worker.start(*cli(dsn, "hang", "--ttl", "30", "--holder", "A"))
+
+    async def started() -> bool:
+        await holder.running()
+        return bool(await runs(pool))
+
+    await helpers.wait_for(started, within=20, what="A's job to start")
+    holder.proc.send_signal(signal.SIGTERM)
+    code, _, err = await holder.finish()
+    assert code == 1, err
+    assert "interrupted; task report key 2024-05-31 marked failed" in err
+    row = await task_row(pool)
+    assert (row["state"], row["last_error"]) == ("failed", "cancelled before it finished")
+
+    retry = await dedup.TaskRunner(pool=pool, holder="B").run("report", DAY, task_jobs.record)
+    assert (retry.status, retry.token, retry.attempts) == ("succeeded", 2, 2)
+
+
 async def test_a_paused_holder_that_resumes_is_fenced_off(
     dsn: str, pool: Any, job_runs: None, tmp_path: Path
 ) -> None:
