@@ -204,6 +204,7 @@ class IdempotentConsumer:
         self._kafka: Any = None
         self._conn: asyncpg.Connection | None = None
         self._last_kafka_commit = 0.0
+        self._database = ""
 
     @property
     def stats(self) -> Mapping[str, int]:
@@ -265,6 +266,7 @@ class IdempotentConsumer:
         if self._dsn is not None:
             self._pool = await db.create_pool(self._dsn, min_size=1, max_size=2)
         await self._check_schema()
+        self._database = await self._pool.fetchval("SELECT current_database()")
         self._kafka = aiokafka.AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
             group_id=self.group_id,
@@ -465,15 +467,24 @@ class IdempotentConsumer:
             f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links
         ):
             conn = await self._connection()
-            async with conn.transaction():
-                result = await self.store.apply(
-                    conn,
-                    msgs,
-                    handler=self.handler,
-                    batch_handler=self.batch_handler,
-                    fence=store.Fence(self.group_id, part.token, part.expected),
-                    dead=dead,
-                )
+            with telemetry.client_span(
+                f"BATCH {self.store.schema_name}.processed",
+                {
+                    "db.operation.name": "BATCH",
+                    "db.collection.name": "processed",
+                    "db.namespace": self._database,
+                    "db.operation.batch.size": batch,
+                },
+            ):
+                async with conn.transaction():
+                    result = await self.store.apply(
+                        conn,
+                        msgs,
+                        handler=self.handler,
+                        batch_handler=self.batch_handler,
+                        fence=store.Fence(self.group_id, part.token, part.expected),
+                        dead=dead,
+                    )
         part.expected = result.next_offset
         self._count(result, batch, time.perf_counter() - started, tp)
 
@@ -507,6 +518,13 @@ class IdempotentConsumer:
         if not assigned:
             return
         wanted = sorted((tp.topic, tp.partition) for tp in assigned)
+        with telemetry.tracer.start_as_current_span(
+            "dedup assign", attributes={"messaging.consumer.group.name": self.group_id}
+        ):
+            await self._take(assigned, wanted)
+        log.info("consumer %s took %s", self.holder, wanted)
+
+    async def _take(self, assigned: set[TopicPartition], wanted: list[tuple[str, int]]) -> None:
         async with self._work:
             delay = 0.1
             while True:
@@ -533,7 +551,6 @@ class IdempotentConsumer:
                     self._kafka.seek(tp, next_offset)
                 if tp in self._kafka.paused():
                     self._kafka.resume(tp)
-        log.info("consumer %s took %s", self.holder, wanted)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         async with self._work:  # waits for the batch in flight to commit or roll back
@@ -567,8 +584,11 @@ class IdempotentConsumer:
             detail={"expected_offset": part.expected},
         )
         try:
-            conn = await self._connection()
-            await events.record(conn, self.store.schema_name, [event])
+            with telemetry.tracer.start_as_current_span(
+                "dedup stale", attributes={"messaging.consumer.group.name": self.group_id}
+            ):
+                conn = await self._connection()
+                await events.record(conn, self.store.schema_name, [event])
         except Exception as record_exc:
             if not db.is_retriable(record_exc):
                 raise

@@ -22,7 +22,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors, events, schema
+from dedup import errors, events, schema, telemetry
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,9 @@ class Store:
                 original = f"{row['topic']}:{row['partition']}:{row['offset']}"
                 self._conflict(result, msg, original)
         result.applied.sort(key=lambda m: m.offset)
+        # Per batch, not per message: a span event per message would cost more
+        # than the rest of the happy path.
+        telemetry.transition("claimed", {"namespace": self.namespace, "count": len(result.applied)})
 
         if result.applied:
             tx = message_.Tx(conn=conn, token=fence.token if fence else 0)
@@ -213,6 +216,9 @@ class Store:
                 for msg in result.applied:
                     await handler(msg, tx)  # type: ignore[arg-type]
 
+            telemetry.transition(
+                "applied", {"namespace": self.namespace, "count": len(result.applied)}
+            )
         if result.dead_letters:
             await self._dead_letter(conn, result.dead_letters, fence, group_id)
         await events.record(conn, self.schema_name, self._events(result, fence))

@@ -11,7 +11,8 @@ event named ``dedup.<transition>`` with ``dedup.*`` attributes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from opentelemetry import context, metrics, propagate, trace
@@ -64,6 +65,28 @@ def transition(name: str, attributes: Mapping[str, Any] | None = None) -> None:
         return
     attrs = {f"dedup.{k}": v for k, v in (attributes or {}).items() if v is not None}
     span.add_event(f"dedup.{name}", attrs)
+
+
+@contextlib.contextmanager
+def client_span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Span]:
+    """A CLIENT span for database work, child of the current span but not made current.
+
+    Transitions recorded meanwhile stay on the span the caller is in (the
+    ``process <topic>`` span), where a reader of the trace looks for them.
+    """
+    span = tracer.start_span(
+        name,
+        kind=trace.SpanKind.CLIENT,
+        attributes={"db.system.name": "postgresql", **attributes},
+    )
+    try:
+        yield span
+    except BaseException as exc:
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        span.end()
 
 
 def current_trace_id() -> str | None:

@@ -29,6 +29,12 @@ from typing import Any
 import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
 from dedup import db
@@ -219,3 +225,37 @@ async def topics(bootstrap_servers: str) -> AsyncIterator[Topics]:
     made = Topics(bootstrap_servers)
     yield made
     await made.delete_all()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Spans ended during the test (on the process's SDK provider, installed if none is).
+
+    A process has one global tracer provider; this adds an exporter to it for
+    the test's duration, so tests that look at spans don't fight over it.
+    """
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()
+
+
+_METRIC_READER: list[InMemoryMetricReader] = []
+
+
+@pytest.fixture
+def metric_reader() -> InMemoryMetricReader:
+    """The in-memory reader of the process's SDK meter provider (installed on first use).
+
+    Readers can only be given when a meter provider is made, so there is one
+    for the whole run: compare readings before and after, not absolute values.
+    """
+    if not _METRIC_READER:
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        _METRIC_READER.append(reader)
+    return _METRIC_READER[0]

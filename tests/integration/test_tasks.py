@@ -11,14 +11,11 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
@@ -34,19 +31,6 @@ async def job_runs(pool: Any) -> AsyncIterator[None]:
     """The ``job_runs`` table the test jobs write to."""
     await pool.execute(task_jobs.JOB_RUNS)
     yield
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """Spans ended during the test (on the process's SDK provider, installed if none is)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter
-    exporter.shutdown()
 
 
 def cli(dsn: str, job: str, *extra: str, task: str = "report", key: str = DAY) -> list[str]:

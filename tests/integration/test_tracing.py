@@ -1,0 +1,140 @@
+"""Traces and metrics of the consumer, read back from the OpenTelemetry SDK's in-memory exporters.
+
+One batch holds a fresh message produced inside a trace, its duplicate, a
+second fresh message, a conflicting copy of it and a poison message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import orjson
+from opentelemetry import trace
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import dedup
+from dedup import telemetry
+from tests import helpers
+from tests.conftest import Topics
+from tests.integration import consumer_support as support
+
+
+def counter_totals(reader: InMemoryMetricReader) -> Counter[str]:
+    """Sum of every dedup counter's data points, by metric name."""
+    totals: Counter[str] = Counter()
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data else []:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name.startswith("dedup."):
+                    for point in metric.data.data_points:
+                        totals[metric.name] += getattr(point, "value", getattr(point, "count", 0))
+    return totals
+
+
+async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
+    bootstrap_servers: str,
+    topics: Topics,
+    pool: Any,
+    spans: InMemorySpanExporter,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    before = counter_totals(metric_reader)
+    with telemetry.tracer.start_as_current_span("checkout", kind=trace.SpanKind.PRODUCER) as up:
+        headers = telemetry.inject_headers()
+        producer_trace = up.get_span_context().trace_id
+    first = orjson.dumps({"id": "t1", "amount": 1})
+    await helpers.produce(bootstrap_servers, topic, [(b"t1", first)], headers=headers)
+    await helpers.produce(
+        bootstrap_servers,
+        topic,
+        [
+            (b"t1", first),
+            (b"t2", orjson.dumps({"id": "t2", "amount": 2})),
+            (b"t2", orjson.dumps({"id": "t2", "amount": 999})),
+            (b"t3", b"{broken"),
+        ],
+    )
+    consumer = dedup.IdempotentConsumer(
+        support.record_effects,
+        topics=[topic],
+        group_id=f"g-{topic}",
+        bootstrap_servers=bootstrap_servers,
+        pool=pool,
+        key=dedup.keys.json_field("id"),
+        auto_offset_reset="earliest",
+        install_signal_handlers=False,
+    )
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: _handled(consumer, 5), what="5 messages")
+
+    finished = spans.get_finished_spans()
+    process = [s for s in finished if s.name == f"process {topic}"]
+    assert process and all(s.kind is trace.SpanKind.CONSUMER for s in process)
+    for span in process:
+        attrs = span.attributes or {}
+        assert attrs["messaging.system"] == "kafka"
+        assert attrs["messaging.destination.name"] == topic
+        assert attrs["messaging.destination.partition.id"] == "0"
+        assert attrs["messaging.consumer.group.name"] == f"g-{topic}"
+        assert attrs["messaging.operation.type"] == "process"
+        assert isinstance(attrs["messaging.kafka.offset"], int)
+    assert sum(s.attributes["messaging.batch.message_count"] for s in process) == 5  # type: ignore[index,misc]
+
+    # The producer's trace is linked from the batch that carried its message.
+    linked = [link for s in process for link in s.links]
+    assert [link.context.trace_id for link in linked] == [producer_trace]
+
+    events = {e.name: e for s in process for e in s.events}
+    assert {
+        "dedup.claimed",
+        "dedup.applied",
+        "dedup.duplicate",
+        "dedup.conflict",
+        "dedup.dead_lettered",
+    } <= set(events)
+    duplicate = events["dedup.duplicate"].attributes or {}
+    assert duplicate["dedup.namespace"] == f"g-{topic}"
+    assert duplicate["dedup.key"] == "t1"
+    assert duplicate["dedup.token"] == 1
+    reasons = [
+        str((e.attributes or {})["dedup.reason"])
+        for s in process
+        for e in s.events
+        if e.name == "dedup.dead_lettered"
+    ]
+    assert len(reasons) == 2
+    assert any("invalid JSON" in r for r in reasons)
+    assert any(r.startswith("conflict: key 't2'") for r in reasons)
+
+    # Postgres work is a CLIENT span under each process span.
+    db_spans = [s for s in finished if s.kind is trace.SpanKind.CLIENT]
+    assert db_spans and all(
+        (s.attributes or {})["db.system.name"] == "postgresql" for s in db_spans
+    )
+    process_ids = {s.context.span_id for s in process}
+    assert all(s.parent is not None and s.parent.span_id in process_ids for s in db_spans)
+
+    assign = [s for s in finished if s.name == "dedup assign"]
+    acquired = [e for s in assign for e in s.events if e.name == "dedup.partition_acquired"]
+    assert acquired and (acquired[0].attributes or {})["dedup.token"] == 1
+
+    # The events table carries the trace id of the batch that wrote each row.
+    row = await pool.fetchrow("SELECT trace_id FROM dedup.events WHERE kind = 'duplicate'")
+    assert row["trace_id"] in {format(s.context.trace_id, "032x") for s in process}
+
+    after = counter_totals(metric_reader)
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["dedup.messages.processed"] == 2
+    assert delta["dedup.messages.duplicates"] == 1
+    assert delta["dedup.messages.conflicts"] == 1
+    assert delta["dedup.messages.dead_lettered"] == 2  # the conflict and the poison
+    assert delta["dedup.batch.size"] >= 1  # histogram: count of batches recorded
+
+
+async def _handled(consumer: dedup.IdempotentConsumer, n: int) -> bool:
+    return consumer.stats["messages"] >= n
