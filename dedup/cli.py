@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import datetime
 import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
-from dedup import errors, migrations, schema, tasks
+import asyncpg
+import orjson
+
+from dedup import (
+    audit,
+    db,
+    dead_letters,
+    errors,
+    migrations,
+    report,
+    retention,
+    schema,
+    tasks,
+    timespec,
+)
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -132,6 +148,312 @@ async def _task_run(args: argparse.Namespace) -> int:
     return _TASK_EXIT[outcome.status]
 
 
+# --- audit, events, dead-letters, purge: the operator commands -----------------------
+
+
+def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """An argparse ``type`` that shows the parser's own message (it names the input)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def _integer(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise ValueError(f"invalid value {text!r}: expected an integer >= {minimum}")
+        return value
+
+    return _argtype(parse, "integer")
+
+
+def _pause(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"invalid pause {text!r}: expected seconds >= 0")
+    return value
+
+
+_TIME = _argtype(timespec.parse_time, "time")
+_DURATION = _argtype(timespec.parse_duration, "duration")
+
+
+def _output(parser: argparse.ArgumentParser, *, limit: bool = True) -> None:
+    parser.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="aligned table, or one JSON document (fields: docs/reference/cli.md)",
+    )
+    if limit:
+        parser.add_argument(
+            "--limit",
+            type=_integer(1),
+            default=audit.DEFAULT_LIMIT,
+            help="most rows per list (default: %(default)s); JSON says truncated: true when cut",
+        )
+    _common(parser)
+
+
+def _window(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--since",
+        type=_TIME,
+        help=f"{what} at or after: ISO 8601 (UTC unless given), or 2h, 7d ago",
+    )
+    parser.add_argument("--until", type=_TIME, help=f"{what} before (same forms as --since)")
+
+
+@contextlib.asynccontextmanager
+async def _connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connection]:
+    schema.quote(args.schema)  # a bad name is bad usage, found before connecting
+    pool = await db.create_pool(_dsn(args), min_size=1, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            yield conn
+    except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError) as exc:
+        raise errors.ConfigurationError(
+            f"no dedup tables in schema {args.schema!r} ({exc}): check --schema, or run "
+            "`dedup migrate`"
+        ) from exc
+    except asyncpg.InsufficientPrivilegeError as exc:
+        raise errors.ConfigurationError(
+            f"{exc}: connect as a role granted dedup_audit (reading) or dedup_runtime "
+            "(replay, purge); see docs/howto/audit-and-purge.md"
+        ) from exc
+    finally:
+        await pool.close()
+
+
+def _show(found: report.Report, args: argparse.Namespace) -> int:
+    """Print ``found``; exit 0 when something matched, 1 when nothing did."""
+    print(found.render(args.format))
+    return EXIT_OK if found.found else EXIT_PROBLEM
+
+
+async def _audit(args: argparse.Namespace) -> int:
+    query = audit.AuditQuery(
+        key=args.key,
+        namespace=args.namespace,
+        topic=args.topic,
+        partition=args.partition,
+        offset=args.offset,
+        since=args.since,
+        until=args.until,
+        statuses=args.status,
+        limit=args.limit,
+    )
+    query.check()
+    async with _connection(args) as conn:
+        return _show(await audit.audit(conn, args.schema, query), args)
+
+
+async def _events(args: argparse.Namespace) -> int:
+    if args.business_key is not None and args.task is None:
+        raise errors.ConfigurationError("--business-key goes with --task CODE")
+    if args.task is not None and args.key is not None:
+        raise errors.ConfigurationError("with --task, give the business key as --business-key")
+    query = audit.EventsQuery(
+        key=args.business_key if args.task is not None else args.key,
+        namespace=args.namespace,
+        resource=args.resource,
+        task=args.task,
+        kind=args.kind,
+        since=args.since,
+        until=args.until,
+        limit=args.limit,
+    )
+    query.check()
+    async with _connection(args) as conn:
+        return _show(await audit.events(conn, args.schema, query), args)
+
+
+async def _dead_letters_list(args: argparse.Namespace) -> int:
+    query = dead_letters.ListQuery(
+        namespace=args.namespace,
+        topic=args.topic,
+        since=args.since,
+        until=args.until,
+        pending=args.pending,
+        limit=args.limit,
+    )
+    async with _connection(args) as conn:
+        return _show(await dead_letters.list_(conn, args.schema, query), args)
+
+
+async def _dead_letters_show(args: argparse.Namespace) -> int:
+    async with _connection(args) as conn:
+        return _show(await dead_letters.show(conn, args.schema, args.id), args)
+
+
+async def _dead_letters_replay(args: argparse.Namespace) -> int:
+    if not args.bootstrap_servers:
+        raise errors.ConfigurationError(
+            "no Kafka to replay to: pass --bootstrap-servers host:port or set "
+            "KAFKA_BOOTSTRAP_SERVERS"
+        )
+    async with _connection(args) as conn:
+        done = await dead_letters.replay(
+            conn,
+            args.schema,
+            args.ids,
+            bootstrap_servers=args.bootstrap_servers,
+            again=args.again,
+            holder=args.holder,
+        )
+    print(done.render(args.format))
+    return EXIT_PROBLEM if done.sections[1].rows else EXIT_OK
+
+
+async def _purge(args: argparse.Namespace) -> int:
+    # --before 30d means the same as --older-than 30d.
+    older_than = args.older_than
+    before = args.before
+    if isinstance(before, datetime.timedelta):
+        older_than, before = before, None
+    async with _connection(args) as conn:
+        done = await retention.purge(
+            conn,
+            args.schema,
+            older_than=older_than,
+            before=before,
+            events_older_than=args.events_older_than,
+            batch_size=args.batch_size,
+            pause=args.pause,
+            dry_run=args.dry_run,
+        )
+    if args.format == "json":
+        print(orjson.dumps(done.as_json(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(done.as_table())
+    return EXIT_PROBLEM if done.batches_skipped else EXIT_OK
+
+
+def _add_audit(sub: Any) -> None:
+    p = sub.add_parser(
+        "audit",
+        help="what happened to a message: its claimed key and any dead letter",
+        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    )
+    p.add_argument("--key", help="the idempotency key")
+    p.add_argument("--namespace", help="the consumer namespace (default: all)")
+    p.add_argument("--topic", help="with --partition and --offset: where the message was read")
+    p.add_argument("--partition", type=_integer(0), help="see --topic")
+    p.add_argument("--offset", type=_integer(0), help="see --topic")
+    _window(p, "first seen (dead letters: created)")
+    p.add_argument(
+        "--status",
+        type=_argtype(audit.parse_statuses, "status"),
+        action="extend",
+        help=f"any of {', '.join(audit.STATUSES)} (repeat or comma-separate)",
+    )
+    _output(p)
+    p.set_defaults(func=_audit)
+
+
+def _add_events(sub: Any) -> None:
+    p = sub.add_parser(
+        "events",
+        help="the transitions recorded for a key, a resource or a task",
+        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    )
+    p.add_argument("--key", help="an idempotency key")
+    p.add_argument("--namespace", help="with --key: the consumer namespace (default: all)")
+    p.add_argument("--resource", help="a lease resource or topic:partition")
+    p.add_argument("--task", help="a task code")
+    p.add_argument("--business-key", help="with --task: the task's business key")
+    p.add_argument("--kind", help="only this transition, e.g. task_taken_over")
+    _window(p, "recorded")
+    _output(p)
+    p.set_defaults(func=_events)
+
+
+def _add_dead_letters(sub: Any) -> None:
+    dl = sub.add_parser("dead-letters", help="list, show and replay dead letters")
+    commands = dl.add_subparsers(dest="dead_letters_command", required=True, metavar="ACTION")
+    p = commands.add_parser(
+        "list",
+        help="dead letters, oldest first",
+        description="Exit codes: 0 found, 1 none match, 2 bad usage.",
+    )
+    p.add_argument("--namespace", help="the consumer namespace")
+    p.add_argument("--topic", help="the original record's topic")
+    _window(p, "dead-lettered")
+    p.add_argument("--pending", action="store_true", help="only those not replayed yet")
+    _output(p)
+    p.set_defaults(func=_dead_letters_list)
+
+    p = commands.add_parser(
+        "show",
+        help="one dead letter whole: key, value, headers, reason",
+        description="Exit codes: 0 found, 1 no such id, 2 bad usage.",
+    )
+    p.add_argument("id", type=_integer(1), help="the dead letter's id")
+    _output(p, limit=False)
+    p.set_defaults(func=_dead_letters_show)
+
+    p = commands.add_parser(
+        "replay",
+        help="produce dead letters to their topic again, through the claim path",
+        description="Exit codes: 0 all replayed, 1 some not (unknown id, replayed already), "
+        "2 bad usage.",
+    )
+    p.add_argument("ids", metavar="ID", nargs="+", type=_integer(1), help="dead letter ids")
+    p.add_argument(
+        "--bootstrap-servers",
+        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
+        help="Kafka (default: $KAFKA_BOOTSTRAP_SERVERS)",
+    )
+    p.add_argument("--again", action="store_true", help="also resend those replayed already")
+    p.add_argument("--holder", help="who replays, for the events table (default: user@host)")
+    _output(p, limit=False)
+    p.set_defaults(func=_dead_letters_replay)
+
+
+def _add_purge(sub: Any) -> None:
+    p = sub.add_parser(
+        "purge",
+        help="delete keys older than the retention window, in short batches",
+        description="Exit codes: 0 done, 1 some batches were skipped (locked; rerun), 2 bad usage.",
+    )
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--older-than", type=_DURATION, help="the window: 30d, 12h, 90m, 3600s")
+    when.add_argument("--before", type=_TIME, help="an exact cutoff (ISO 8601)")
+    p.add_argument(
+        "--events-older-than",
+        type=_DURATION,
+        help="also delete events older than this (default: keep events; needs the owner)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_integer(1),
+        default=retention.DEFAULT_BATCH_SIZE,
+        help="rows per DELETE transaction (default: %(default)s)",
+    )
+    p.add_argument(
+        "--pause",
+        type=_pause,
+        default=retention.DEFAULT_PAUSE,
+        help="seconds between batches (default: %(default)s)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    _output(p, limit=False)
+    p.set_defaults(func=_purge)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every ``dedup`` command."""
     parser = argparse.ArgumentParser(
@@ -172,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
     p.set_defaults(func=_task_run)
+
+    for add in (_add_audit, _add_events, _add_dead_letters, _add_purge):
+        add(sub)
     return parser
 
 

@@ -143,3 +143,189 @@ SELECT task, business_key, state, attempts, holder, token, forced, started_at, f
        last_error, result
   FROM {schema}.tasks
  WHERE task = $1 AND business_key = $2
+
+-- ---------------------------------------------------------------------------
+-- The operator commands: audit, events, dead letters (dedup/audit.py,
+-- dedup/dead_letters.py) and purge (dedup/retention.py).  All reads but replay
+-- and purge; a NULL parameter means "no filter".
+
+-- name: processed_namespaces
+-- The distinct namespaces, found by skipping through the primary key (one index
+-- probe per namespace), so a key can be looked up without its namespace.
+WITH RECURSIVE ns AS (
+    (SELECT namespace FROM {schema}.processed ORDER BY namespace LIMIT 1)
+    UNION ALL
+    SELECT (SELECT p.namespace FROM {schema}.processed AS p
+             WHERE p.namespace > ns.namespace ORDER BY p.namespace LIMIT 1)
+      FROM ns WHERE ns.namespace IS NOT NULL
+)
+SELECT namespace FROM ns WHERE namespace IS NOT NULL
+
+-- name: events_namespaces
+WITH RECURSIVE ns AS (
+    (SELECT namespace FROM {schema}.events WHERE namespace IS NOT NULL
+      ORDER BY namespace LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.namespace FROM {schema}.events AS e
+             WHERE e.namespace > ns.namespace ORDER BY e.namespace LIMIT 1)
+      FROM ns WHERE ns.namespace IS NOT NULL
+)
+SELECT namespace FROM ns WHERE namespace IS NOT NULL
+
+-- name: audit_processed
+-- By key: the primary key (namespace = ANY, key).  By topic/partition/offset:
+-- no index on purpose (see docs/reference/cli.md); a --since/--until window
+-- narrows the scan through the BRIN index on first_seen.
+-- $1 key, $2 namespaces, $3 topic, $4 partition, $5 offset, $6 since, $7 until,
+-- $8 statuses (processed, duplicate, conflict), $9 limit.
+SELECT namespace, idempotency_key, topic, "partition", "offset", token, payload_hash,
+       status, first_seen, processed_at, duplicates, conflicts, last_duplicate_at
+  FROM {schema}.processed
+ WHERE ($1::text IS NULL OR idempotency_key = $1)
+   AND ($2::text[] IS NULL OR namespace = ANY($2))
+   AND ($3::text IS NULL OR topic = $3)
+   AND ($4::int IS NULL OR "partition" = $4)
+   AND ($5::bigint IS NULL OR "offset" = $5)
+   AND first_seen >= coalesce($6::timestamptz, '-infinity')
+   AND first_seen < coalesce($7::timestamptz, 'infinity')
+   AND ($8::text[] IS NULL OR 'processed' = ANY($8)
+        OR ('duplicate' = ANY($8) AND duplicates > 0)
+        OR ('conflict' = ANY($8) AND conflicts > 0))
+ ORDER BY first_seen, namespace, idempotency_key
+ LIMIT $9
+
+-- name: audit_dead_letters
+-- $1 key, $2 namespaces, $3 topic, $4 partition, $5 offset, $6 since, $7 until
+-- (on created_at), $8 only those not replayed yet, $9 limit.
+SELECT id, namespace, group_id, topic, "partition", "offset", timestamp_ms, idempotency_key,
+       reason, error, attempts, token, created_at, replayed_at
+  FROM {schema}.dead_letters
+ WHERE ($1::text IS NULL OR idempotency_key = $1)
+   AND ($2::text[] IS NULL OR namespace = ANY($2))
+   AND ($3::text IS NULL OR topic = $3)
+   AND ($4::int IS NULL OR "partition" = $4)
+   AND ($5::bigint IS NULL OR "offset" = $5)
+   AND created_at >= coalesce($6::timestamptz, '-infinity')
+   AND created_at < coalesce($7::timestamptz, 'infinity')
+   AND (NOT $8::bool OR replayed_at IS NULL)
+ ORDER BY id
+ LIMIT $9
+
+-- name: dead_letter_record
+-- One dead letter whole.  Replay appends FOR UPDATE, so two replays of the same
+-- one serialize and the second sees replayed_at.
+SELECT id, namespace, group_id, topic, "partition", "offset", timestamp_ms, idempotency_key,
+       reason, error, attempts, token, created_at, replayed_at,
+       key, value, header_names, header_values
+  FROM {schema}.dead_letters
+ WHERE id = $1
+
+-- name: dead_letter_replayed
+UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = $1 RETURNING replayed_at
+
+-- name: audit_events
+-- By key: (namespace = ANY, key) on events_namespace_key; by resource:
+-- events_resource; by task: subject task or lease, namespace = task code.
+-- $1 key, $2 namespaces, $3 resource, $4 subjects, $5 kind, $6 since, $7 until, $8 limit.
+SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_state,
+       to_state, trace_id, detail
+  FROM {schema}.events
+ WHERE ($1::text IS NULL OR key = $1)
+   AND ($2::text[] IS NULL OR namespace = ANY($2))
+   AND ($3::text IS NULL OR resource = $3)
+   AND ($4::text[] IS NULL OR subject = ANY($4))
+   AND ($5::text IS NULL OR kind = $5)
+   AND at >= coalesce($6::timestamptz, '-infinity')
+   AND at < coalesce($7::timestamptz, 'infinity')
+ ORDER BY id
+ LIMIT $8
+
+-- name: database_now
+SELECT now()
+
+-- name: purge_layout
+-- The BRIN index's pages_per_range (128 unless set), and whether this role owns
+-- the table (needed to summarize BRIN ranges afresh).
+SELECT coalesce((SELECT split_part(opt, '=', 2)::int FROM unnest(i.reloptions) AS opt
+                  WHERE opt LIKE 'pages_per_range=%'), 128) AS pages_per_range,
+       pg_has_role(t.relowner, 'USAGE') AS owner
+  FROM pg_class AS i, pg_class AS t
+ WHERE i.oid = to_regclass('{schema}.processed_first_seen_brin')
+   AND t.oid = to_regclass('{schema}.processed')
+
+-- name: purge_candidate_ranges
+-- One read of the old part of the table through the BRIN index: the BRIN ranges
+-- (pages_per_range blocks each) holding rows to purge, and how many each holds.
+-- A key is purged once first_seen, processed_at and last_duplicate_at are all
+-- before the cutoff ($1); $2 pages_per_range.
+SELECT (ctid::text::point)[0]::bigint / $2 AS brin_range, count(*) AS n
+  FROM {schema}.processed
+ WHERE first_seen < $1 AND processed_at < $1
+   AND (last_duplicate_at IS NULL OR last_duplicate_at < $1)
+ GROUP BY 1
+ ORDER BY 1
+
+-- name: purge_processed_batch
+-- One short transaction: a TID range scan of a few blocks ($1 <= ctid < $2),
+-- rechecking the cutoff ($3) on every row.
+DELETE FROM {schema}.processed
+ WHERE ctid >= $1::tid AND ctid < $2::tid
+   AND first_seen < $3 AND processed_at < $3
+   AND (last_duplicate_at IS NULL OR last_duplicate_at < $3)
+
+-- name: purge_resummarize
+-- Purged ranges keep their old BRIN summary (summaries only ever widen), so the
+-- next purge would read them again forever; summarize them afresh.  Needs the
+-- table's owner and a SHARE UPDATE EXCLUSIVE lock (taken with a short lock_timeout).
+-- $1 is the range's first block.
+SELECT brin_desummarize_range(to_regclass('{schema}.processed_first_seen_brin'), $1),
+       brin_summarize_range(to_regclass('{schema}.processed_first_seen_brin'), $1)
+
+-- name: purge_marker_xid
+-- A transaction id newer than every purge DELETE so far.
+SELECT pg_current_xact_id()::xid
+
+-- name: purge_older_snapshots
+-- Sessions of this database whose snapshot may predate the marker $1 (their
+-- xmin is not newer), so the deleted rows are not yet dead to everyone.
+SELECT count(*) FROM pg_stat_activity
+ WHERE datname = current_database() AND pid <> pg_backend_pid()
+   AND backend_xmin IS NOT NULL AND age(backend_xmin) >= age($1::xid)
+
+-- name: purge_dead_letters_batch
+-- Dead letters that were replayed before the cutoff ($1); never unreplayed ones.
+WITH gone AS (
+    DELETE FROM {schema}.dead_letters
+     WHERE id IN (SELECT id FROM {schema}.dead_letters
+                   WHERE replayed_at < $1 ORDER BY id LIMIT $2)
+    RETURNING id
+)
+SELECT count(*) FROM gone
+
+-- name: purge_events_bound
+-- The newest event before the cutoff ($1), through the BRIN index on at.
+SELECT max(id) FROM {schema}.events WHERE at < $1
+
+-- name: purge_events_batch
+-- Oldest first along the primary key: $1 last id done, $2 bound, $3 cutoff, $4 limit.
+WITH gone AS (
+    DELETE FROM {schema}.events
+     WHERE id IN (SELECT id FROM {schema}.events
+                   WHERE id > $1 AND id <= $2 AND at < $3 ORDER BY id LIMIT $4)
+    RETURNING id
+)
+SELECT count(*) AS n, max(id) AS last_id FROM gone
+
+-- name: purge_counts
+-- For --dry-run: what would go.  $1 cutoff for keys and dead letters, $2 for events.
+SELECT (SELECT count(*) FROM {schema}.processed
+         WHERE first_seen < $1 AND processed_at < $1
+           AND (last_duplicate_at IS NULL OR last_duplicate_at < $1)) AS processed,
+       (SELECT count(*) FROM {schema}.dead_letters WHERE replayed_at < $1) AS dead_letters,
+       (SELECT count(*) FROM {schema}.events WHERE at < $2) AS events
+
+-- name: purge_privileges
+-- Checked before purging anything, so a role that may not finish does not start.
+SELECT has_table_privilege(to_regclass('{schema}.processed'), 'DELETE') AS processed,
+       has_table_privilege(to_regclass('{schema}.dead_letters'), 'DELETE') AS dead_letters,
+       has_table_privilege(to_regclass('{schema}.events'), 'DELETE') AS events

@@ -1,0 +1,298 @@
+"""Read-only answers from the database: ``dedup audit`` and ``dedup events``.
+
+``audit`` says what happened to messages: the claimed key (``processed``:
+where it came from, under which token, how many duplicates and conflicts were
+suppressed) and any dead letter.  ``events`` tells the story of a key, a lease
+or partition (resource), or a task, from the append-only ``events`` table.
+
+Everything here is a plain SELECT, so it runs under the read-only
+``dedup_audit`` role (sql/0003_roles.sql).  The output format is documented in
+docs/reference/cli.md; the field names are a contract.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from dedup import errors, report, schema, timespec
+
+DEFAULT_LIMIT = 1000
+
+STATUSES = ("processed", "duplicate", "conflict", "dead_lettered")
+"""What ``audit --status`` selects: claimed keys, keys that had duplicates or
+conflicts suppressed, dead letters."""
+
+PROCESSED_COLUMNS = (
+    report.Column("namespace"),
+    report.Column("idempotency_key", "key"),
+    report.Column("topic"),
+    report.Column("partition", "part"),
+    report.Column("offset"),
+    report.Column("token"),
+    report.Column("status"),
+    report.Column("first_seen"),
+    report.Column("duplicates", "dups"),
+    report.Column("conflicts"),
+    report.Column("last_duplicate_at", "last duplicate"),
+)
+DEAD_LETTER_COLUMNS = (
+    report.Column("id"),
+    report.Column("namespace"),
+    report.Column("topic"),
+    report.Column("partition", "part"),
+    report.Column("offset"),
+    report.Column("idempotency_key", "key"),
+    report.Column("reason"),
+    report.Column("attempts"),
+    report.Column("created_at"),
+    report.Column("replayed_at"),
+)
+EVENT_COLUMNS = (
+    report.Column("id"),
+    report.Column("at"),
+    report.Column("subject"),
+    report.Column("kind"),
+    report.Column("namespace"),
+    report.Column("key"),
+    report.Column("resource"),
+    report.Column("holder"),
+    report.Column("token"),
+    report.Column("from_state", "from"),
+    report.Column("to_state", "to"),
+    report.Column("trace_id"),
+    report.Column("detail"),
+)
+
+
+def parse_statuses(text: str) -> list[str]:
+    """``duplicate,conflict`` -> the statuses, each one of :data:`STATUSES`."""
+    found = [s.strip() for s in text.split(",") if s.strip()]
+    for status in found:
+        if status not in STATUSES:
+            raise ValueError(f"invalid status {status!r}: expected one of {', '.join(STATUSES)}")
+    if not found:
+        raise ValueError(f"invalid status {text!r}: expected one of {', '.join(STATUSES)}")
+    return found
+
+
+def check_window(since: timespec.TimeSpec | None, until: timespec.TimeSpec | None) -> None:
+    """Refuse an empty window (durations are checked once resolved, see :class:`Window`)."""
+    if isinstance(since, datetime.datetime) and isinstance(until, datetime.datetime):
+        Window(since, until).check()
+
+
+@dataclass(frozen=True)
+class Window:
+    """A time window, resolved against the database clock."""
+
+    since: datetime.datetime | None = None
+    """From (inclusive)."""
+    until: datetime.datetime | None = None
+    """To (exclusive)."""
+
+    @classmethod
+    async def resolve(
+        cls,
+        conn: asyncpg.Connection,
+        queries: schema.Queries,
+        since: timespec.TimeSpec | None,
+        until: timespec.TimeSpec | None,
+    ) -> Window:
+        """Durations count back from the database's ``now()``."""
+        if since is None and until is None:
+            return cls()
+        now = await conn.fetchval(queries.database_now)
+        window = cls(timespec.resolve(since, now), timespec.resolve(until, now))
+        window.check()
+        return window
+
+    def check(self) -> None:
+        """Refuse a window that ends before it starts."""
+        if self.since and self.until and self.since >= self.until:
+            shown = self.as_query()
+            raise errors.ConfigurationError(
+                f"--since {shown['since']} is not before --until {shown['until']}"
+            )
+
+    def as_query(self) -> dict[str, str | None]:
+        """For the report's ``query``."""
+        return {"since": report.utc(self.since), "until": report.utc(self.until)}
+
+
+def nothing_matches(what: str, asked: Mapping[str, Any]) -> str:
+    """``no events match key=k1, namespace=pay``: what a table says when nothing was found."""
+    given = [
+        f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in asked.items()
+        if v not in (None, False) and k != "limit"
+    ]
+    return f"no {what} match {', '.join(given)}" if given else f"no {what}"
+
+
+async def _namespaces(
+    conn: asyncpg.Connection, query: str, key: str | None, namespace: str | None
+) -> list[str] | None:
+    # A key alone would scan the table: the index leads with the namespace.
+    # Enumerating the few namespaces lets Postgres probe (namespace, key) instead.
+    if namespace is not None:
+        return [namespace]
+    if key is None:
+        return None
+    return [r["namespace"] for r in await conn.fetch(query)]
+
+
+async def _limited(
+    conn: asyncpg.Connection, query: str, args: Sequence[Any], limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    records = await conn.fetch(query, *args, limit + 1)
+    return [report.json_row(r) for r in records[:limit]], len(records) > limit
+
+
+@dataclass(frozen=True)
+class AuditQuery:
+    """What ``dedup audit`` was asked; ``None`` means no filter."""
+
+    key: str | None = None
+    """The idempotency key."""
+    namespace: str | None = None
+    """The consumer namespace."""
+    topic: str | None = None
+    """Where the message came from: topic, partition and offset together."""
+    partition: int | None = None
+    """See ``topic``."""
+    offset: int | None = None
+    """See ``topic``."""
+    since: timespec.TimeSpec | None = None
+    """First seen (dead letters: created) at or after."""
+    until: timespec.TimeSpec | None = None
+    """First seen (dead letters: created) before."""
+    statuses: Sequence[str] | None = None
+    """Any of :data:`STATUSES`."""
+    limit: int = DEFAULT_LIMIT
+    """Most rows per section."""
+
+    def check(self) -> None:
+        """Refuse a query that names no message, naming the options to use."""
+        where = (self.topic, self.partition, self.offset)
+        if any(v is not None for v in where) and any(v is None for v in where):
+            raise errors.ConfigurationError(
+                "--topic, --partition and --offset go together: give all three"
+            )
+        check_window(self.since, self.until)
+        if self.key is None and self.topic is None and self.since is None:
+            raise errors.ConfigurationError(
+                "say what to audit: --key KEY, --topic T --partition P --offset O, "
+                "or --since TIME (with --until, --status)"
+            )
+
+
+async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> report.Report:
+    """The claimed keys and dead letters matching ``q``."""
+    q.check()
+    queries = schema.Queries(schema_name)
+    window = await Window.resolve(conn, queries, q.since, q.until)
+    statuses = set(q.statuses or STATUSES)
+    where = (q.topic, q.partition, q.offset, window.since, window.until)
+
+    processed: list[dict[str, Any]] = []
+    dead: list[dict[str, Any]] = []
+    cut_processed = cut_dead = False
+    processed_statuses = sorted(statuses - {"dead_lettered"})
+    if processed_statuses:
+        namespaces = await _namespaces(conn, queries.processed_namespaces, q.key, q.namespace)
+        processed, cut_processed = await _limited(
+            conn,
+            queries.audit_processed,
+            (q.key, namespaces, *where, processed_statuses),
+            q.limit,
+        )
+    if "dead_lettered" in statuses:
+        namespaces = [q.namespace] if q.namespace is not None else None
+        only_pending = False
+        dead, cut_dead = await _limited(
+            conn, queries.audit_dead_letters, (q.key, namespaces, *where, only_pending), q.limit
+        )
+
+    asked = {
+        "key": q.key,
+        "namespace": q.namespace,
+        "topic": q.topic,
+        "partition": q.partition,
+        "offset": q.offset,
+        **window.as_query(),
+        "status": sorted(statuses) if q.statuses else None,
+        "limit": q.limit,
+    }
+    return report.Report(
+        query=asked,
+        sections=[
+            report.Section("processed", "processed keys", PROCESSED_COLUMNS, processed),
+            report.Section("dead_letters", "dead letters", DEAD_LETTER_COLUMNS, dead),
+        ],
+        truncated=cut_processed or cut_dead,
+        nothing=nothing_matches("processed keys or dead letters", asked),
+    )
+
+
+@dataclass(frozen=True)
+class EventsQuery:
+    """What ``dedup events`` was asked; ``None`` means no filter."""
+
+    key: str | None = None
+    """Idempotency key, or a task's business key."""
+    namespace: str | None = None
+    """Consumer namespace, or task code."""
+    resource: str | None = None
+    """A lease resource, or ``topic:partition`` / ``group:topic:partition``."""
+    task: str | None = None
+    """A task code (events with subject ``task``, and ``lease`` for its lease)."""
+    kind: str | None = None
+    """One transition, e.g. ``task_taken_over``."""
+    since: timespec.TimeSpec | None = None
+    """At or after."""
+    until: timespec.TimeSpec | None = None
+    """Before."""
+    limit: int = DEFAULT_LIMIT
+    """Most events."""
+
+    def check(self) -> None:
+        """Refuse a query that names nothing to follow."""
+        if self.task is not None and self.namespace is not None:
+            raise errors.ConfigurationError(
+                "--task is the task's namespace: give --task or --namespace, not both"
+            )
+        check_window(self.since, self.until)
+        if self.key is None and self.resource is None and self.task is None:
+            raise errors.ConfigurationError(
+                "say whose events: --key KEY [--namespace NS], --resource R, "
+                "or --task CODE [--business-key KEY]"
+            )
+
+
+async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> report.Report:
+    """The events matching ``q``, oldest first."""
+    q.check()
+    queries = schema.Queries(schema_name)
+    window = await Window.resolve(conn, queries, q.since, q.until)
+    namespace = q.task if q.task is not None else q.namespace
+    namespaces = await _namespaces(conn, queries.events_namespaces, q.key, namespace)
+    # A task's story includes the lease it ran under (same namespace and key).
+    subjects = ["task", "lease"] if q.task is not None else None
+    args = (q.key, namespaces, q.resource, subjects, q.kind, window.since, window.until)
+    rows, cut = await _limited(conn, queries.audit_events, args, q.limit)
+    if q.task is not None:
+        asked: dict[str, Any] = {"task": q.task, "business_key": q.key}
+    else:
+        asked = {"key": q.key, "namespace": q.namespace, "resource": q.resource}
+    asked.update(kind=q.kind, **window.as_query(), limit=q.limit)
+    return report.Report(
+        query=asked,
+        sections=[report.Section("events", "events", EVENT_COLUMNS, rows)],
+        truncated=cut,
+        nothing=nothing_matches("events", asked),
+    )

@@ -1,0 +1,272 @@
+"""Dead letters for operators: list them, show one whole, replay them through Kafka.
+
+Replay produces the original record again (same topic and partition, key,
+value and headers in order; a new offset and timestamp), so it goes through the
+consumer's claim path like any delivery: a key that has been applied since is
+counted as a duplicate, not applied twice.  Each dead letter is replayed under
+a row lock and marked ``replayed_at`` in the same transaction, after Kafka
+acknowledged the record; a ``replayed`` event records who did it and where the
+copy landed.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiokafka
+import aiokafka.errors
+import asyncpg
+
+from dedup import audit, errors, events, report, schema, timespec
+
+SHOW_COLUMNS = (report.Column("field"),)  # unused by the vertical layout, kept for the Section
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    """What ``dedup dead-letters list`` was asked; ``None`` means no filter."""
+
+    namespace: str | None = None
+    """Consumer namespace."""
+    topic: str | None = None
+    """Topic of the original record."""
+    since: timespec.TimeSpec | None = None
+    """Dead-lettered at or after."""
+    until: timespec.TimeSpec | None = None
+    """Dead-lettered before."""
+    pending: bool = False
+    """Only those not replayed yet."""
+    limit: int = audit.DEFAULT_LIMIT
+    """Most rows."""
+
+
+async def list_(conn: asyncpg.Connection, schema_name: str, q: ListQuery) -> report.Report:
+    """Dead letters matching ``q``, oldest first (without the record bytes: see :func:`show`)."""
+    queries = schema.Queries(schema_name)
+    window = await audit.Window.resolve(conn, queries, q.since, q.until)
+    namespaces = [q.namespace] if q.namespace is not None else None
+    records = await conn.fetch(
+        queries.audit_dead_letters,
+        None,
+        namespaces,
+        q.topic,
+        None,
+        None,
+        window.since,
+        window.until,
+        q.pending,
+        q.limit + 1,
+    )
+    asked = {
+        "namespace": q.namespace,
+        "topic": q.topic,
+        **window.as_query(),
+        "pending": q.pending,
+        "limit": q.limit,
+    }
+    return report.Report(
+        query=asked,
+        sections=[
+            report.Section(
+                "dead_letters",
+                "dead letters",
+                audit.DEAD_LETTER_COLUMNS,
+                [report.json_row(r) for r in records[: q.limit]],
+            )
+        ],
+        truncated=len(records) > q.limit,
+        nothing=audit.nothing_matches("dead letters", asked),
+    )
+
+
+def _whole(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A dead letter with its headers as ``[{"name", "value"}]``, bytes base64."""
+    row = report.json_row(
+        {k: v for k, v in record.items() if k not in ("header_names", "header_values")}
+    )
+    row["headers"] = [
+        {"name": name, "value": report.b64_bytes(value)}
+        for name, value in zip(record["header_names"], record["header_values"], strict=True)
+    ]
+    return row
+
+
+def _readable(value: bytes | None) -> str | None:
+    """Bytes as text when they are printable UTF-8, else ``base64:...``."""
+    if value is None:
+        return None
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and text.isprintable():
+        return text
+    return f"base64:{report.b64_bytes(value)}"
+
+
+async def show(conn: asyncpg.Connection, schema_name: str, dead_letter_id: int) -> report.Report:
+    """One dead letter whole: the record's key, value and headers, and why it failed."""
+    record = await conn.fetchrow(schema.Queries(schema_name).dead_letter_record, dead_letter_id)
+    rows = [_whole(record)] if record else []
+    section = report.Section("dead_letters", "dead letter", SHOW_COLUMNS, rows)
+    if record:
+        readable = dict(rows[0])
+        readable["key"] = _readable(record["key"])
+        readable["value"] = _readable(record["value"])
+        readable["headers"] = (
+            ", ".join(
+                f"{n}={_readable(v)}"
+                for n, v in zip(record["header_names"], record["header_values"], strict=True)
+            )
+            or None
+        )
+        section.table_rows = [readable]
+    return report.Report(
+        query={"id": dead_letter_id},
+        sections=[section],
+        nothing=f"no dead letter with id {dead_letter_id}",
+        vertical=True,
+    )
+
+
+def default_holder() -> str:
+    """Who replays, for the ``replayed`` event: ``user@host``."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+REPLAYED_COLUMNS = (
+    report.Column("id"),
+    report.Column("namespace"),
+    report.Column("idempotency_key", "key"),
+    report.Column("topic"),
+    report.Column("partition", "part"),
+    report.Column("offset"),
+    report.Column("replayed_offset", "new offset"),
+    report.Column("replayed_at"),
+)
+SKIPPED_COLUMNS = (report.Column("id"), report.Column("reason"))
+
+
+async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:
+    producer = aiokafka.AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True
+    )
+    try:
+        await producer.start()
+    except aiokafka.errors.KafkaError as exc:
+        await producer.stop()
+        raise errors.ServiceUnavailableError(
+            f"cannot reach Kafka at {bootstrap_servers} to replay: {exc}; "
+            "pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS"
+        ) from exc
+    return producer
+
+
+async def _replay_one(
+    conn: asyncpg.Connection,
+    producer: aiokafka.AIOKafkaProducer,
+    schema_name: str,
+    dead_letter_id: int,
+    *,
+    again: bool,
+    holder: str,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Replay one dead letter; return (what was replayed, None) or (None, why not)."""
+    queries = schema.Queries(schema_name)
+    async with conn.transaction():
+        record = await conn.fetchrow(queries.dead_letter_record + " FOR UPDATE", dead_letter_id)
+        if record is None:
+            return None, "no dead letter with this id"
+        if record["replayed_at"] is not None and not again:
+            when = report.utc(record["replayed_at"])
+            return None, f"replayed already at {when} (--again to resend)"
+        try:
+            sent = await producer.send_and_wait(
+                record["topic"],
+                record["value"],
+                key=record["key"],
+                partition=record["partition"],
+                headers=list(zip(record["header_names"], record["header_values"], strict=True)),
+            )
+        except aiokafka.errors.KafkaError as exc:
+            raise errors.ServiceUnavailableError(
+                f"dead letter {dead_letter_id}: Kafka did not take the record: {exc}; "
+                "it is not marked replayed, run the replay again"
+            ) from exc
+        replayed_at = await conn.fetchval(queries.dead_letter_replayed, dead_letter_id)
+        await events.record(
+            conn,
+            schema_name,
+            [
+                events.Event(
+                    "message",
+                    "replayed",
+                    namespace=record["namespace"],
+                    key=record["idempotency_key"],
+                    resource=f"{record['topic']}:{record['partition']}",
+                    holder=holder,
+                    detail={
+                        "dead_letter_id": dead_letter_id,
+                        "offset": record["offset"],
+                        "replayed_offset": sent.offset,
+                    },
+                )
+            ],
+        )
+    return {
+        "id": dead_letter_id,
+        "namespace": record["namespace"],
+        "idempotency_key": record["idempotency_key"],
+        "topic": record["topic"],
+        "partition": record["partition"],
+        "offset": record["offset"],
+        "replayed_offset": sent.offset,
+        "replayed_at": report.utc(replayed_at),
+    }, None
+
+
+async def replay(
+    conn: asyncpg.Connection,
+    schema_name: str,
+    ids: Sequence[int],
+    *,
+    bootstrap_servers: str,
+    again: bool = False,
+    holder: str | None = None,
+) -> report.Report:
+    """Produce each dead letter's record to its topic again; mark it replayed.
+
+    The report's ``skipped`` section names the ids not replayed now and why
+    (unknown id, replayed already).
+    """
+    producer = await _start_producer(bootstrap_servers)
+    replayed: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    try:
+        for dead_letter_id in ids:
+            done, why = await _replay_one(
+                conn,
+                producer,
+                schema_name,
+                dead_letter_id,
+                again=again,
+                holder=holder or default_holder(),
+            )
+            if done is not None:
+                replayed.append(done)
+            else:
+                skipped.append({"id": dead_letter_id, "reason": why})
+    finally:
+        await producer.stop()
+    return report.Report(
+        query={"ids": list(ids), "again": again},
+        sections=[
+            report.Section("replayed", "replayed", REPLAYED_COLUMNS, replayed),
+            report.Section("skipped", "not replayed", SKIPPED_COLUMNS, skipped),
+        ],
+        nothing="nothing to replay",
+    )

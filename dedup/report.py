@@ -1,0 +1,178 @@
+"""How the operator commands print what they found: an aligned table, or one JSON document.
+
+A :class:`Report` is a query (what was asked), one or more named sections of
+rows, and whether the row limit cut the answer short.  Both formats are made
+from the same report, so they always agree.
+
+JSON encoding, the same for every command (documented in docs/reference/cli.md):
+times are ISO 8601 in UTC with microseconds (``2026-11-30T10:00:00.123456+00:00``), hashes are
+lowercase hex, message bytes (Kafka key, value, header values) are base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+# Cells wider than this are cut in tables (JSON always has the whole value).
+MAX_CELL = 60
+
+
+def hex_bytes(value: bytes | None) -> str | None:
+    """``value`` as lowercase hex (hashes)."""
+    return None if value is None else value.hex()
+
+
+def b64_bytes(value: bytes | None) -> str | None:
+    """``value`` as standard base64 with padding (message key, value and header values)."""
+    return None if value is None else base64.b64encode(value).decode("ascii")
+
+
+def utc(value: datetime.datetime | None) -> str | None:
+    """A timestamp as ISO 8601 in UTC, microseconds kept."""
+    if value is None:
+        return None
+    return value.astimezone(datetime.UTC).isoformat(timespec="microseconds")
+
+
+HEX_FIELDS = frozenset({"payload_hash"})
+"""Byte fields shown as hex; every other byte field is base64."""
+
+
+def json_value(name: str, value: Any) -> Any:
+    """One database value as JSON: times in UTC, bytes as hex or base64 (lists too)."""
+    if isinstance(value, datetime.datetime):
+        return utc(value)
+    if isinstance(value, bytes):
+        return hex_bytes(value) if name in HEX_FIELDS else b64_bytes(value)
+    if isinstance(value, list):
+        return [json_value(name, v) for v in value]
+    return value
+
+
+def json_row(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A database row with JSON-ready values, field names as the columns are named."""
+    return {name: json_value(name, value) for name, value in record.items()}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table: the JSON field it shows, and its heading."""
+
+    field: str
+    """The row's JSON field name."""
+    heading: str = ""
+    """The table heading (default: the field name)."""
+
+    @property
+    def title(self) -> str:
+        """The heading shown in tables."""
+        return self.heading or self.field
+
+
+@dataclass
+class Section:
+    """A named list of rows, e.g. ``processed`` or ``dead_letters``."""
+
+    name: str
+    """Its JSON field name."""
+    title: str
+    """What a table calls it (``processed keys``)."""
+    columns: Sequence[Column]
+    """What a table shows, in order (JSON rows carry every field)."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """The rows, already JSON-ready (see the module docstring)."""
+    table_rows: list[dict[str, Any]] | None = None
+    """What a table shows instead of ``rows``, when that is easier to read."""
+
+
+@dataclass
+class Report:
+    """The answer of one command."""
+
+    query: Mapping[str, Any]
+    """What was asked, under the option names without dashes."""
+    sections: list[Section]
+    """What was found."""
+    truncated: bool = False
+    """True when the row limit cut the answer short."""
+    nothing: str = "nothing found"
+    """What a table says when no section has a row."""
+    vertical: bool = False
+    """Tables show each row as ``field  value`` lines, values whole."""
+
+    @property
+    def found(self) -> int:
+        """Rows in all sections."""
+        return sum(len(s.rows) for s in self.sections)
+
+    def to_json(self) -> str:
+        """The report as one JSON document."""
+        doc: dict[str, Any] = {"query": dict(self.query)}
+        for section in self.sections:
+            doc[section.name] = section.rows
+        doc["found"] = self.found
+        doc["truncated"] = self.truncated
+        return orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+
+    def to_table(self) -> str:
+        """The report as aligned tables, one per non-empty section."""
+        if not self.found:
+            return self.nothing
+        parts = []
+        for section in self.sections:
+            if not section.rows:
+                continue
+            rows = section.table_rows if section.table_rows is not None else section.rows
+            if self.vertical:
+                body = "\n\n".join(vertical(row) for row in rows)
+            else:
+                body = table(section.columns, rows)
+            parts.append(f"{section.title} ({len(rows)}):\n{body}")
+        if self.truncated:
+            parts.append("(more rows match: raise --limit or narrow the query)")
+        return "\n\n".join(parts)
+
+    def render(self, fmt: str) -> str:
+        """The report in ``fmt`` (``table`` or ``json``)."""
+        return self.to_json() if fmt == "json" else self.to_table()
+
+
+def cell(value: Any, *, width: int | None = MAX_CELL) -> str:
+    """One value as table text: ``-`` for none, compact JSON for mappings and lists."""
+    if value is None:
+        text = "-"
+    elif isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, str):
+        text = value
+    elif isinstance(value, dict | list):
+        text = orjson.dumps(value).decode()
+    else:
+        text = str(value)
+    text = text.replace("\n", " ")
+    if width is not None and len(text) > width:
+        text = text[: width - 3] + "..."
+    return text
+
+
+def table(columns: Sequence[Column], rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` as a table with a heading line; columns padded to their widest cell."""
+    cells = [[c.title.upper() for c in columns]]
+    cells += [[cell(row.get(c.field)) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(text.ljust(w) for text, w in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def vertical(row: Mapping[str, Any]) -> str:
+    """One row as ``field: value`` lines, values whole (for ``show``)."""
+    width = max(len(k) for k in row)
+    return "\n".join(f"{k.ljust(width)}  {cell(v, width=None)}".rstrip() for k, v in row.items())

@@ -1,0 +1,383 @@
+"""``dedup purge``: forget idempotency keys older than the retention window, cheaply.
+
+Designed for a ``processed`` table of 100 million rows that a consumer keeps
+inserting into while the purge runs:
+
+1. The cutoff is fixed once, from the database clock, before anything is
+   deleted.  A key goes only when ``first_seen``, ``processed_at`` and
+   ``last_duplicate_at`` are all older than the cutoff, and every DELETE
+   checks that again row by row: a key inside the window is never removed,
+   and a key that is still being redelivered (a recent duplicate) stays.
+2. One read of the old part of the table through the BRIN index on
+   ``first_seen`` finds which BRIN ranges (``pages_per_range`` blocks, 128
+   by default) hold old rows, and how many.  No B-tree is added to the hot
+   table for this.
+3. Each batch is one short transaction of its own: a TID range scan over a
+   few contiguous blocks holding about ``batch_size`` old rows (5,000 by
+   default), with a pause between batches.  No long transaction holds back
+   vacuum, no lock is held for more than one batch, and ``lock_timeout``
+   keeps a batch from queueing behind a consumer's transaction for long.
+4. Once a range is done it is summarized afresh
+   (``brin_desummarize_range`` + ``brin_summarize_range``), because BRIN
+   summaries only ever widen: without it every purged range would stay a
+   candidate forever.  That is done at the end, once no transaction older
+   than the deletes is open in the database (else the deleted rows, still
+   visible to it, would go into the summary again; the wait is bounded).  It
+   needs the table's owner; it is skipped (and counted) otherwise, or when
+   autovacuum holds the table (a 100 ms lock_timeout, shorter than
+   ``deadlock_timeout``, so it never cancels an autovacuum).
+5. Autovacuum (``autovacuum_vacuum_scale_factor = 0.02`` on ``processed``)
+   makes the freed space reusable by new inserts, so the table does not grow.
+
+Dead letters that were replayed before the cutoff go too (unreplayed ones never
+do).  Events are kept unless ``events_older_than`` is given: they are the audit
+trail, and the runtime role may not delete them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from dedup import errors, report, schema, timespec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 5000
+DEFAULT_PAUSE = 0.05
+BATCH_LOCK_TIMEOUT = "2s"
+RESUMMARIZE_LOCK_TIMEOUT = "100ms"
+LOCK_RETRIES = 3
+# How long purge waits for transactions older than its deletes before summarizing.
+SNAPSHOT_WAIT = 10.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One DELETE: blocks ``lo <= block < hi``, and the BRIN ranges it finishes."""
+
+    lo: int
+    """First block."""
+    hi: int
+    """Block after the last."""
+    rows: int
+    """Old rows expected in it (from the candidate scan)."""
+    finishes: tuple[int, ...] = ()
+    """BRIN ranges with no old rows left once this batch is done."""
+
+
+def plan_batches(
+    candidates: Iterable[tuple[int, int]], pages_per_range: int, batch_size: int
+) -> list[Batch]:
+    """Batches of about ``batch_size`` rows from ``(brin_range, old_rows)`` pairs, in order.
+
+    Small neighbouring ranges share a batch; a range with more than about
+    1.5 x ``batch_size`` old rows is split into equal block slices.
+    """
+    batches: list[Batch] = []
+    current: Batch | None = None
+    for brin_range, rows in candidates:
+        lo, hi = brin_range * pages_per_range, (brin_range + 1) * pages_per_range
+        if current and current.hi == lo and current.rows + rows <= batch_size:
+            current = Batch(current.lo, hi, current.rows + rows, (*current.finishes, brin_range))
+            continue
+        if current:
+            batches.append(current)
+            current = None
+        slices = round(rows / batch_size)
+        if slices <= 1:
+            current = Batch(lo, hi, rows, (brin_range,))
+            continue
+        step = math.ceil(pages_per_range / slices)
+        for start in range(lo, hi, step):
+            end = min(start + step, hi)
+            share = math.ceil(rows * (end - start) / pages_per_range)
+            batches.append(Batch(start, end, share, (brin_range,) if end == hi else ()))
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class PurgeResult:
+    """What a purge did (or, with ``dry_run``, would do)."""
+
+    cutoff: datetime.datetime
+    """Keys and replayed dead letters older than this went."""
+    events_cutoff: datetime.datetime | None
+    """Events older than this went (None: events kept)."""
+    dry_run: bool
+    """Nothing was deleted: the counts are what would be."""
+    processed: int = 0
+    """Keys deleted."""
+    dead_letters: int = 0
+    """Replayed dead letters deleted."""
+    events: int | None = None
+    """Events deleted (None: events kept)."""
+    batches: int = 0
+    """DELETE transactions on ``processed``."""
+    batches_skipped: int = 0
+    """Batches given up after lock timeouts (their keys stay for the next purge)."""
+    ranges_resummarized: int = 0
+    """BRIN ranges summarized afresh."""
+    ranges_not_resummarized: int = 0
+    """BRIN ranges left with their old summary (not the owner, or autovacuum held the lock)."""
+    seconds: float = 0.0
+    """Wall time."""
+    query: dict[str, Any] = field(default_factory=dict)
+    """The settings, as the report shows them."""
+
+    def as_json(self) -> dict[str, Any]:
+        """The documented JSON document of ``dedup purge --format json``."""
+        return {
+            "query": self.query,
+            "cutoff": report.utc(self.cutoff),
+            "events_cutoff": report.utc(self.events_cutoff),
+            "dry_run": self.dry_run,
+            "purged": {
+                "processed": self.processed,
+                "dead_letters": self.dead_letters,
+                "events": self.events,
+            },
+            "batches": self.batches,
+            "batches_skipped": self.batches_skipped,
+            "brin_ranges_resummarized": self.ranges_resummarized,
+            "brin_ranges_not_resummarized": self.ranges_not_resummarized,
+            "seconds": round(self.seconds, 3),
+        }
+
+    def as_table(self) -> str:
+        """The report of ``dedup purge`` for people."""
+        verb = "to purge" if self.dry_run else "purged"
+        events = "kept" if self.events is None else str(self.events)
+        rows: dict[str, Any] = {
+            "cutoff": report.utc(self.cutoff),
+            f"keys {verb}": self.processed,
+            f"dead letters {verb}": self.dead_letters,
+            "events cutoff": report.utc(self.events_cutoff),
+            f"events {verb}": events,
+        }
+        if not self.dry_run:
+            rows["batches"] = f"{self.batches} ({self.batches_skipped} skipped: locked, rerun)"
+            rows["brin ranges"] = (
+                f"{self.ranges_resummarized} summarized afresh, "
+                f"{self.ranges_not_resummarized} left as they were"
+            )
+        rows["seconds"] = round(self.seconds, 3)
+        return report.vertical(rows)
+
+
+class _Purge:
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        schema_name: str,
+        result: PurgeResult,
+        batch_size: int,
+        pause: float,
+    ) -> None:
+        self.conn = conn
+        self.queries = schema.Queries(schema_name)
+        self.result = result
+        self.batch_size = batch_size
+        self.pause = pause
+        self.pages_per_range = 128
+
+    async def processed(self) -> None:
+        layout = await self.conn.fetchrow(self.queries.purge_layout)
+        if layout is None:
+            raise errors.ConfigurationError(
+                "no processed table or BRIN index in this schema: run `dedup migrate` first"
+            )
+        ppr = self.pages_per_range = layout["pages_per_range"]
+        candidates = await self.conn.fetch(
+            self.queries.purge_candidate_ranges, self.result.cutoff, ppr
+        )
+        batches = plan_batches(
+            ((r["brin_range"], r["n"]) for r in candidates), ppr, self.batch_size
+        )
+        log.info(
+            "purge: %d old keys in %d BRIN ranges", sum(b.rows for b in batches), len(candidates)
+        )
+        finished: list[int] = []
+        for number, batch in enumerate(batches):
+            if number:
+                await asyncio.sleep(self.pause)
+            if await self._delete(batch):
+                finished += batch.finishes
+        if finished:
+            await self._resummarize(finished, owner=layout["owner"])
+
+    async def _delete(self, batch: Batch) -> bool:
+        for attempt in range(1, LOCK_RETRIES + 1):
+            try:
+                status = await self.conn.execute(
+                    self.queries.purge_processed_batch,
+                    (batch.lo, 0),
+                    (batch.hi, 0),
+                    self.result.cutoff,
+                )
+            except asyncpg.LockNotAvailableError:
+                log.info("purge: blocks %d-%d busy (try %d)", batch.lo, batch.hi, attempt)
+                await asyncio.sleep(self.pause * attempt)
+                continue
+            self.result.processed += int(status.split()[-1])
+            self.result.batches += 1
+            return True
+        self.result.batches_skipped += 1
+        return False
+
+    async def _resummarize(self, ranges: Sequence[int], *, owner: bool) -> None:
+        """Summarize ``ranges`` afresh, once no older snapshot can see the deleted rows."""
+        if not owner:
+            log.warning(
+                "purge: not the owner of the processed table, so %d purged BRIN ranges keep "
+                "their old summaries; run purge as the owner now and then "
+                "(docs/howto/audit-and-purge.md)",
+                len(ranges),
+            )
+            self.result.ranges_not_resummarized += len(ranges)
+            return
+        # Rows deleted under an older snapshot are still "recently dead" and would
+        # go into the new summary, keeping it as wide as before.
+        await self._wait_for_older_snapshots()
+        for attempt in range(LOCK_RETRIES):
+            if attempt:
+                await asyncio.sleep(self.pause * attempt)
+            locked = []
+            for brin_range in ranges:
+                try:
+                    async with self.conn.transaction():
+                        await self.conn.execute(
+                            f"SET LOCAL lock_timeout = '{RESUMMARIZE_LOCK_TIMEOUT}'"
+                        )
+                        await self.conn.execute(
+                            self.queries.purge_resummarize, brin_range * self.pages_per_range
+                        )
+                except asyncpg.LockNotAvailableError:
+                    locked.append(brin_range)
+                else:
+                    self.result.ranges_resummarized += 1
+            ranges = locked
+        self.result.ranges_not_resummarized += len(ranges)
+
+    async def _wait_for_older_snapshots(self) -> None:
+        marker = await self.conn.fetchval(self.queries.purge_marker_xid)
+        deadline = time.monotonic() + SNAPSHOT_WAIT
+        while await self.conn.fetchval(self.queries.purge_older_snapshots, marker):
+            if time.monotonic() > deadline:
+                log.info("purge: a transaction older than the purge is still open; going on")
+                return
+            await asyncio.sleep(0.1)
+
+    async def dead_letters(self) -> None:
+        while True:
+            n = await self.conn.fetchval(
+                self.queries.purge_dead_letters_batch, self.result.cutoff, self.batch_size
+            )
+            self.result.dead_letters += n
+            if n < self.batch_size:
+                return
+            await asyncio.sleep(self.pause)
+
+    async def events(self, cutoff: datetime.datetime) -> None:
+        self.result.events = 0
+        bound = await self.conn.fetchval(self.queries.purge_events_bound, cutoff)
+        last = 0
+        while bound is not None:
+            row = await self.conn.fetchrow(
+                self.queries.purge_events_batch, last, bound, cutoff, self.batch_size
+            )
+            if not row["n"]:
+                return
+            self.result.events += row["n"]
+            last = row["last_id"]
+            await asyncio.sleep(self.pause)
+
+
+async def _check_privileges(
+    conn: asyncpg.Connection, queries: schema.Queries, *, events: bool
+) -> None:
+    may = await conn.fetchrow(queries.purge_privileges)
+    if may is None or not (may["processed"] and may["dead_letters"]):
+        raise errors.ConfigurationError(
+            "permission denied: this role may not delete from processed and dead_letters; "
+            "run purge as a role granted dedup_runtime, or as the owner"
+        )
+    if events and not may["events"]:
+        raise errors.ConfigurationError(
+            "--events-older-than: this role may not delete events (they are append-only for "
+            "dedup_runtime); run the events purge as the schema owner"
+        )
+
+
+async def purge(
+    conn: asyncpg.Connection,
+    schema_name: str,
+    *,
+    older_than: datetime.timedelta | None = None,
+    before: datetime.datetime | None = None,
+    events_older_than: datetime.timedelta | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    pause: float = DEFAULT_PAUSE,
+    dry_run: bool = False,
+) -> PurgeResult:
+    """Delete keys (and replayed dead letters, and events if asked) older than the window.
+
+    Give exactly one of ``older_than`` (counted back from the database's
+    ``now()``) and ``before`` (an absolute cutoff).  ``conn`` must not be in a
+    transaction: each batch commits on its own.
+    """
+    if (older_than is None) == (before is None):
+        raise errors.ConfigurationError("give one of --older-than DURATION and --before TIME")
+    if batch_size < 1:
+        raise errors.ConfigurationError(f"--batch-size {batch_size}: must be at least 1")
+    if pause < 0:
+        raise errors.ConfigurationError(f"--pause {pause}: must not be negative")
+    queries = schema.Queries(schema_name)
+    now = await conn.fetchval(queries.database_now)
+    cutoff = before if before is not None else now - older_than
+    events_cutoff = now - events_older_than if events_older_than is not None else None
+    result = PurgeResult(cutoff=cutoff, events_cutoff=events_cutoff, dry_run=dry_run)
+    result.query = {
+        "older_than": timespec.format_duration(older_than),
+        "before": report.utc(before),
+        "events_older_than": timespec.format_duration(events_older_than),
+        "batch_size": batch_size,
+        "pause": pause,
+        "dry_run": dry_run,
+    }
+    await _check_privileges(conn, queries, events=events_cutoff is not None)
+    started = time.monotonic()
+    if dry_run:
+        counts = await conn.fetchrow(queries.purge_counts, cutoff, events_cutoff)
+        result.processed, result.dead_letters = counts["processed"], counts["dead_letters"]
+        result.events = counts["events"] if events_cutoff is not None else None
+    else:
+        await conn.execute(f"SET lock_timeout = '{BATCH_LOCK_TIMEOUT}'")
+        try:
+            work = _Purge(conn, schema_name, result, batch_size, pause)
+            await work.processed()
+            await work.dead_letters()
+            if events_cutoff is not None:
+                await work.events(events_cutoff)
+        finally:
+            await conn.execute("RESET lock_timeout")
+    result.seconds = time.monotonic() - started
+    log.info(
+        "purge: %d keys, %d dead letters, %s events older than %s in %.1fs",
+        result.processed,
+        result.dead_letters,
+        result.events,
+        cutoff,
+        result.seconds,
+    )
+    return result

@@ -1,0 +1,77 @@
+"""Durations and points in time as operators type them on the command line.
+
+- a duration is one or more ``<number><unit>`` parts, unit ``s``, ``m``, ``h`` or
+  ``d``: ``30d``, ``12h``, ``1d12h``, ``90s``;
+- a point in time is an ISO 8601 date or date-time (``2026-11-30``,
+  ``2026-11-30T10:00:00Z``, ``2026-11-30 10:00+01:00``; without an offset it is
+  UTC), or a duration meaning that long before the database's ``now()``.
+
+The parsers raise :class:`ValueError` with a message naming the input, which
+argparse shows as ``argument --since: ...``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+
+_PART = re.compile(r"(\d+)([smhd])")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+TimeSpec = datetime.datetime | datetime.timedelta
+"""An absolute time, or a duration before the database's ``now()``."""
+
+
+def parse_duration(text: str) -> datetime.timedelta:
+    """``30d`` -> 30 days; a positive duration or :class:`ValueError`."""
+    spec = text.strip().lower()
+    parts = _PART.findall(spec)
+    if not parts or "".join(n + u for n, u in parts) != spec:
+        raise ValueError(
+            f"invalid duration {text!r}: use a number and a unit s, m, h or d (30d, 12h, 1d12h)"
+        )
+    total = datetime.timedelta()
+    for number, unit in parts:
+        total += datetime.timedelta(**{_UNITS[unit]: int(number)})
+    if total <= datetime.timedelta():
+        raise ValueError(f"invalid duration {text!r}: it must be longer than zero")
+    return total
+
+
+def format_duration(value: datetime.timedelta | None) -> str | None:
+    """A duration as :func:`parse_duration` reads it: 30 days -> ``30d``, 90 min -> ``1h30m``."""
+    if value is None:
+        return None
+    seconds = int(value.total_seconds())
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts) or "0s"
+
+
+def parse_time(text: str) -> TimeSpec:
+    """An ISO 8601 date or date-time (UTC unless it says otherwise), or a duration ago."""
+    spec = text.strip()
+    try:
+        return parse_duration(spec)
+    except ValueError:
+        pass
+    try:
+        value = datetime.datetime.fromisoformat(spec)
+    except ValueError:
+        raise ValueError(
+            f"invalid time {text!r}: use an ISO 8601 date or date-time "
+            "(2026-11-30, 2026-11-30T10:00:00Z) or a duration ago (2h, 7d)"
+        ) from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.UTC)
+    return value
+
+
+def resolve(spec: TimeSpec | None, now: datetime.datetime) -> datetime.datetime | None:
+    """The absolute time of ``spec``; durations count back from ``now`` (the database's)."""
+    if spec is None or isinstance(spec, datetime.datetime):
+        return spec
+    return now - spec

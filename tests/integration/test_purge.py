@@ -1,0 +1,232 @@
+"""`dedup purge`: keys older than the window go in short batches; nothing inside it ever does."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from tests import helpers
+from tests.conftest import Topics
+from tests.integration import audit_support
+from tests.integration import consumer_support as support
+from tests.integration.audit_support import (
+    UTC,
+    add_dead_letter,
+    add_event,
+    add_key,
+    json_out,
+    run_cli,
+)
+
+T = datetime.datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
+TICK = datetime.timedelta(microseconds=1)
+
+
+async def _keys(pool: Any) -> list[str]:
+    rows = await pool.fetch("SELECT idempotency_key FROM dedup.processed ORDER BY 1")
+    return [r["idempotency_key"] for r in rows]
+
+
+async def test_the_cutoff_is_exact_and_a_key_inside_the_window_is_never_removed(
+    dsn: str, pool: Any
+) -> None:
+    await add_key(pool, "just-before", first_seen=T - TICK)
+    await add_key(pool, "at-cutoff", first_seen=T)
+    await add_key(pool, "after", first_seen=T + TICK)
+    # Old, but redelivered inside the window: still needed to stop the next copy.
+    await add_key(pool, "old-but-duplicated", first_seen=T - datetime.timedelta(days=9))
+    await pool.execute(
+        "UPDATE dedup.processed SET duplicates = 1, last_duplicate_at = $1"
+        " WHERE idempotency_key = 'old-but-duplicated'",
+        T,
+    )
+
+    done = run_cli("purge", "--before", "2026-11-30T10:00:00Z", "--format", "json", dsn=dsn)
+    assert done.returncode == 0, done.stderr
+    doc = json_out(done)
+    assert doc["cutoff"] == "2026-11-30T10:00:00.000000+00:00"
+    assert doc["purged"] == {"processed": 1, "dead_letters": 0, "events": None}
+    assert await _keys(pool) == ["after", "at-cutoff", "old-but-duplicated"]
+
+
+async def test_older_than_counts_back_from_the_database_clock(dsn: str, pool: Any) -> None:
+    now = await pool.fetchval("SELECT now()")
+    window = datetime.timedelta(days=30)
+    await add_key(pool, "outside", first_seen=now - window - datetime.timedelta(minutes=1))
+    await add_key(pool, "inside", first_seen=now - window + datetime.timedelta(minutes=1))
+
+    dry = json_out(
+        run_cli("purge", "--older-than", "30d", "--dry-run", "--format", "json", dsn=dsn)
+    )
+    assert (dry["dry_run"], dry["purged"]["processed"]) == (True, 1)
+    assert await _keys(pool) == ["inside", "outside"]
+
+    done = run_cli("purge", "--older-than", "30d", dsn=dsn)
+    assert done.returncode == 0, done.stderr
+    assert "keys purged          1" in done.stdout
+    assert await _keys(pool) == ["inside"]
+
+
+async def test_many_old_keys_go_in_short_batches_and_the_next_purge_reads_little(
+    dsn: str, pool: Any
+) -> None:
+    await pool.execute(
+        'INSERT INTO dedup.processed (namespace, idempotency_key, topic, "partition",'
+        ' "offset", token, payload_hash, first_seen, processed_at)'
+        " SELECT 'payments', 'old-' || g, 'payments', g % 4, g, 1, '\\x00',"
+        "        now() - interval '40 days' + g * interval '1 ms',"
+        "        now() - interval '40 days' + g * interval '1 ms'"
+        "   FROM generate_series(1, 30000) AS g"
+    )
+    await add_key(pool, "fresh")
+    await pool.execute("ANALYZE dedup.processed")
+
+    args = ("purge", "--older-than", "30d", "--batch-size", "1000", "--pause", "0")
+    doc = json_out(run_cli(*args, "--format", "json", dsn=dsn))
+    assert doc["purged"]["processed"] == 30000
+    assert doc["batches"] >= 25
+    assert doc["batches_skipped"] == 0
+    # The owner purged, so every emptied BRIN range was summarized afresh ...
+    assert doc["brin_ranges_resummarized"] >= 4
+    assert doc["brin_ranges_not_resummarized"] == 0
+    assert await _keys(pool) == ["fresh"]
+
+    # ... and the next purge's candidate scan skips them instead of reading them all again.
+    async with pool.acquire() as conn, conn.transaction():
+        # Through the BRIN index, as at scale (this small table's stats favour a seq scan).
+        await conn.execute("SET LOCAL enable_seqscan = off")
+        plan = await conn.fetchval(
+            "EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM dedup.processed"
+            " WHERE first_seen < now() - interval '30 days'"
+        )
+    assert _heap_blocks(plan[0]["Plan"]) == 0  # (the pool decodes json)
+
+
+def _heap_blocks(node: dict[str, Any]) -> int:
+    own = node.get("Exact Heap Blocks", 0) + node.get("Lossy Heap Blocks", 0)
+    if node["Node Type"] == "Seq Scan":
+        own = 10**9  # a sequential scan reads everything
+    return int(own) + sum(_heap_blocks(child) for child in node.get("Plans", []))
+
+
+async def test_replayed_dead_letters_go_and_events_only_when_asked(dsn: str, pool: Any) -> None:
+    now = await pool.fetchval("SELECT now()")
+    old, lately = now - datetime.timedelta(days=60), now - datetime.timedelta(days=1)
+    await add_dead_letter(
+        pool, offset=1, created_at=old, replayed_at=old, reason="replayed long ago"
+    )
+    await add_dead_letter(pool, offset=2, created_at=old, replayed_at=None, reason="never replayed")
+    await add_dead_letter(pool, offset=3, created_at=old, replayed_at=lately, reason="lately")
+    await add_event(pool, "message", "duplicate", namespace="p", key="k", at=old)
+    await add_event(pool, "message", "duplicate", namespace="p", key="k", at=lately)
+
+    doc = json_out(run_cli("purge", "--older-than", "30d", "--format", "json", dsn=dsn))
+    assert doc["purged"] == {"processed": 0, "dead_letters": 1, "events": None}
+    left = await pool.fetch('SELECT reason FROM dedup.dead_letters ORDER BY "offset"')
+    assert [r["reason"] for r in left] == ["never replayed", "lately"]
+    assert await pool.fetchval("SELECT count(*) FROM dedup.events") == 2
+
+    for window, purged in (("90d", 0), ("45d", 1)):
+        args = ("purge", "--older-than", "30d", "--events-older-than", window, "--format", "json")
+        assert json_out(run_cli(*args, dsn=dsn))["purged"]["events"] == purged
+    assert await pool.fetchval("SELECT count(*) FROM dedup.events WHERE at = $1", lately) == 1
+
+
+OLD_KEYS = 1_000_000
+BACKLOG = 700_000
+
+
+async def _produce_backlog(bootstrap_servers: str, topic: str) -> None:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers, linger_ms=20, max_batch_size=256 * 1024
+    )
+    await producer.start()
+    try:
+        for start in range(0, BACKLOG, 50_000):
+            sent = [
+                await producer.send(topic, orjson.dumps({"payment_id": f"p{i}", "amount": i}))
+                for i in range(start, start + 50_000)
+            ]
+            await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.slow
+async def test_purging_a_million_old_keys_keeps_the_consumer_above_half_speed(
+    dsn: str, pool: Any, bootstrap_servers: str, topics: Topics
+) -> None:
+    topic = await topics.create(partitions=2)
+    await pool.execute(support.EFFECTS)
+    old_keys = pool.execute(
+        'INSERT INTO dedup.processed (namespace, idempotency_key, topic, "partition",'
+        ' "offset", token, payload_hash, first_seen, processed_at)'
+        " SELECT 'payments', 'old-' || g, 'payments', g % 8, g, 1, '\\x00',"
+        "        now() - interval '40 days' + g * interval '1 ms',"
+        "        now() - interval '40 days' + g * interval '1 ms'"
+        f"   FROM generate_series(1, {OLD_KEYS}) AS g"
+    )
+    await asyncio.gather(old_keys, _produce_backlog(bootstrap_servers, topic))
+    await pool.execute("VACUUM ANALYZE dedup.processed")
+
+    consumer = audit_support.consumer(support.record_effects, topic, bootstrap_servers, pool)
+
+    async def processed() -> int:
+        return int(consumer.stats["processed"])
+
+    async with support.running(consumer):
+        await helpers.wait_for(
+            lambda: _above(processed, 20_000), within=60, what="the consumer at full speed"
+        )
+        before = await _rate(processed, lambda: asyncio.sleep(4))
+        purge = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dedup.cli", "purge", "--older-than", "30d", "--dsn", dsn,
+            "--format", "json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        during = await _rate(processed, purge.communicate)
+        out, err = during.result
+        assert purge.returncode == 0, err.decode()
+        assert await processed() < BACKLOG, "the backlog ran out: raise BACKLOG"
+
+    doc = orjson.loads(out)
+    print(
+        f"\nconsumer {before.per_second:,.0f} msg/s without purge, {during.per_second:,.0f} "
+        f"msg/s during it; purge: {doc['purged']['processed']:,} keys in "
+        f"{doc['seconds']:.1f} s, {doc['batches']} batches"
+    )
+    assert doc["purged"]["processed"] == OLD_KEYS
+    assert during.per_second > before.per_second / 2
+    # Every key the consumer claimed during the purge is still there.
+    kept = await pool.fetchval("SELECT count(*) FROM dedup.processed")
+    assert kept == await pool.fetchval("SELECT count(*) FROM effects") >= during.count
+
+
+@dataclass
+class _Rate:
+    count: int
+    seconds: float
+    result: Any
+
+    @property
+    def per_second(self) -> float:
+        return self.count / self.seconds
+
+
+async def _rate(counter: Callable[[], Awaitable[int]], work: Callable[[], Awaitable[Any]]) -> _Rate:
+    """How fast ``counter`` grows while ``work`` runs."""
+    start, began = await counter(), time.monotonic()
+    result = await work()
+    return _Rate(await counter() - start, time.monotonic() - began, result)
+
+
+async def _above(counter: Callable[[], Awaitable[int]], n: int) -> bool:
+    return await counter() >= n
