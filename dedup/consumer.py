@@ -316,7 +316,11 @@ class IdempotentConsumer:
 
     async def _poll_once(self) -> None:
         try:
-            fetched = await self._kafka.getmany(timeout_ms=250, max_records=self.batch_size)
+            # Up to a full batch per partition held: one getmany then fills every
+            # partition's transaction.  aiokafka's fetch buffers bound the memory.
+            fetched = await self._kafka.getmany(
+                timeout_ms=250, max_records=self.batch_size * max(1, len(self._owned))
+            )
         except aiokafka.errors.KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise

@@ -280,8 +280,11 @@ class Store:
                 detail={"offset": msg.offset, **detail},
             )
 
-        made = [event("duplicate", m) for m in result.duplicates]
-        made += [event("conflict", m) for m in result.conflicts]
+        # Duplicates are the happy path: counted on the key's row and as span
+        # events, never written here (a replay would double the writes).
+        for m in result.duplicates:
+            telemetry.transition("duplicate", event("duplicate", m).span_attributes())
+        made = [event("conflict", m) for m in result.conflicts]
         made += [
             event("dead_lettered", d.msg, reason=d.reason, attempts=d.attempts)
             for d in result.dead_letters

@@ -123,8 +123,10 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
     acquired = [e for s in assign for e in s.events if e.name == "dedup.partition_acquired"]
     assert acquired and (acquired[0].attributes or {})["dedup.token"] == 1
 
-    # The events table carries the trace id of the batch that wrote each row.
-    row = await pool.fetchrow("SELECT trace_id FROM dedup.events WHERE kind = 'duplicate'")
+    # The events table carries the trace id of the batch that wrote each row;
+    # duplicates are counted on the key's row, not written as events.
+    assert await pool.fetchval("SELECT count(*) FROM dedup.events WHERE kind = 'duplicate'") == 0
+    row = await pool.fetchrow("SELECT trace_id FROM dedup.events WHERE kind = 'conflict'")
     assert row["trace_id"] in {format(s.context.trace_id, "032x") for s in process}
 
     after = counter_totals(metric_reader)
