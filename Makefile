@@ -35,3 +35,16 @@ test: venv services lint
 
 demo: venv services
 	$(BIN)/python -m dedup.demo
+
+# The benchmark (bench/, docs/performance.md); not part of `make test`.
+# Shrink a run with e.g. BENCH_ARGS="--messages 20000 --rounds 2".
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	touch $@
+
+bench: venv services $(BENCH_STAMP)
+	$(BIN)/python -m bench $(BENCH_ARGS)
+
+bench-soak: venv services $(BENCH_STAMP)
+	$(BIN)/python -m bench soak $(BENCH_ARGS)

@@ -1,0 +1,583 @@
+"""One arm of the benchmark, in a process of its own: ``python -m bench.arms CONFIG.json``.
+
+A process per arm so that CPU time and peak RSS are the arm's own.  The parent
+(``bench.run``) creates the topic and the arm's fresh database; this process
+consumes the whole topic, checks the result and prints one JSON line.
+
+What is timed, the same way in every arm:
+
+- throughput: records in the topic / (last commit - first fetch); joining the
+  group and creating tables come before the first fetch and are not counted;
+- latency, per applied message: from the moment the consumer handed the record
+  to code (``getmany``/``getone`` returned it) to the moment its transaction's
+  COMMIT returned.  The record's own timestamp would only measure how long it
+  waited in the pre-filled topic, which differs between arms run minutes apart;
+- CPU: user + system seconds of this process over the same interval.
+
+The hook on ``getmany``/``getone`` and the asyncpg query logger that sees the
+COMMIT are installed in every database arm alike, so they cost every arm the
+same.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import functools
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import orjson
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+
+from bench import stats, workload
+
+ARMS = (
+    "raw",
+    "naive",
+    "handwritten",
+    "dedup_per_message",
+    "dedup_batch",
+    "dedup_batch_traced",
+)
+"""The arms, in the order they run within a round."""
+
+DEDUP_ARMS = ("dedup_per_message", "dedup_batch", "dedup_batch_traced")
+SWEEP_PREFIX = "dedup_batch@"
+"""``dedup_batch@N``: dedup_batch with ``batch_size=N``, for the batch-size plot."""
+
+HANDWRITTEN_BATCH = 500
+"""Messages per transaction in handwritten (and per getmany in raw): dedup's default."""
+
+CLAIMS_DDL = """
+CREATE TABLE claims (
+    key          text        PRIMARY KEY,
+    processed_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE offsets (
+    topic       text    NOT NULL,
+    "partition" integer NOT NULL,
+    next_offset bigint  NOT NULL,
+    PRIMARY KEY (topic, "partition")
+);
+"""
+CLAIM_ONE = "INSERT INTO claims (key) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true"
+CLAIM_MANY = (
+    "INSERT INTO claims (key) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING RETURNING key"
+)
+STORE_OFFSETS = """
+INSERT INTO offsets (topic, "partition", next_offset)
+SELECT $1, * FROM unnest($2::int[], $3::bigint[])
+ON CONFLICT (topic, "partition") DO UPDATE SET next_offset = excluded.next_offset
+"""
+LOAD_OFFSETS = 'SELECT "partition", next_offset FROM offsets WHERE topic = $1'
+
+
+@dataclass
+class Config:
+    """What the parent hands an arm (as JSON)."""
+
+    arm: str
+    bootstrap_servers: str
+    topic: str
+    group_id: str
+    dsn: str
+    workload: dict[str, Any]
+    end_offsets: dict[str, int]
+    """Partition (as a string) -> its end offset once the topic was filled: where "done" is."""
+    batch_size: int | None = None
+    """dedup arms: ``batch_size`` passed to IdempotentConsumer (None: its default)."""
+    measure_latency: bool = True
+    """False in the soak, where keeping per-message timings would itself grow memory."""
+    query_times: bool = False
+    """Also sum the time spent in each SQL statement (for finding what limits an arm)."""
+    ready_file: str | None = None
+    """Created when the first record is fetched (the soak samples from then on)."""
+    timeout_s: float = 1800.0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process, in MiB.
+
+    On Linux this is VmHWM, which starts afresh at exec; ``ru_maxrss`` would
+    carry over the parent's peak (it survives fork and exec).
+    """
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024 if sys.platform != "darwin" else peak / (1024 * 1024)
+
+
+@dataclass
+class Clock:
+    """The measuring instruments, the same in every arm."""
+
+    measure_latency: bool = True
+    query_times: bool = False
+    ready_file: str | None = None
+    first_fetch: float | None = None
+    cpu_at_first: float = 0.0
+    last_commit: float | None = None
+    fetched: dict[tuple[int, int], float] = field(default_factory=dict)
+    pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    latencies: array.array[float] = field(default_factory=lambda: array.array("d"))
+    _watched: set[int] = field(default_factory=set)
+    statements: dict[str, list[float]] = field(default_factory=dict)
+
+    def install_kafka_hook(self) -> None:
+        """Note when each record is handed to code, whoever calls getmany/getone."""
+        getmany = AIOKafkaConsumer.getmany
+        getone = AIOKafkaConsumer.getone
+        clock = self
+
+        @functools.wraps(getmany)
+        async def timed_getmany(consumer: Any, *args: Any, **kwargs: Any) -> Any:
+            batches = await getmany(consumer, *args, **kwargs)
+            if batches:
+                clock.saw([r for records in batches.values() for r in records])
+            return batches
+
+        @functools.wraps(getone)
+        async def timed_getone(consumer: Any, *args: Any) -> Any:
+            record = await getone(consumer, *args)
+            clock.saw([record])
+            return record
+
+        AIOKafkaConsumer.getmany = timed_getmany
+        AIOKafkaConsumer.getone = timed_getone
+
+    def saw(self, records: Sequence[Any]) -> None:
+        """Records were handed to code now."""
+        now = time.perf_counter()
+        if self.first_fetch is None:
+            self.first_fetch = now
+            self.cpu_at_first = cpu_seconds()
+            if self.ready_file:
+                Path(self.ready_file).touch()
+        if self.measure_latency:
+            for r in records:
+                self.fetched[r.partition, r.offset] = now
+
+    def watch(self, conn: Any) -> int:
+        """Log this connection's COMMITs (once per connection); return its key."""
+        raw = getattr(conn, "_con", None) or conn  # a pool's proxy wraps the connection
+        key = id(raw)
+        if key not in self._watched:
+            self._watched.add(key)
+            self.pending[key] = []
+            raw.add_query_logger(functools.partial(self._logged, key))
+        return key
+
+    def applied(self, conn: Any, where: Sequence[tuple[int, int]]) -> None:
+        """These (partition, offset) were applied in the open transaction on ``conn``."""
+        key = self.watch(conn)
+        if self.measure_latency:
+            self.pending[key].extend(where)
+
+    def _logged(self, key: int, record: Any) -> None:
+        if self.query_times and self.first_fetch is not None:
+            name = " ".join(record.query.split())[:60]
+            total = self.statements.setdefault(name, [0, 0.0])
+            total[0] += 1
+            total[1] += record.elapsed
+        if record.exception is not None or not record.query.lstrip().upper().startswith("COMMIT"):
+            return
+        now = time.perf_counter()
+        self.last_commit = now
+        done = self.pending.get(key)
+        if done:
+            for where in done:
+                started = self.fetched.pop(where, None)
+                if started is not None:
+                    self.latencies.append(now - started)
+            done.clear()
+
+    def result(self, messages: int, end: float | None = None) -> dict[str, Any]:
+        """The timed figures of this arm."""
+        finish = end if end is not None else self.last_commit
+        if self.first_fetch is None or finish is None:
+            raise RuntimeError("nothing was fetched or committed")
+        elapsed = finish - self.first_fetch
+        cpu = cpu_seconds() - self.cpu_at_first
+        lat = list(self.latencies)
+        return {
+            "messages": messages,
+            "elapsed_s": round(elapsed, 4),
+            "msgs_per_s": round(messages / elapsed, 1),
+            "p50_ms": round(1000 * stats.percentile(lat, 50), 3) if lat else None,
+            "p99_ms": round(1000 * stats.percentile(lat, 99), 3) if lat else None,
+            "latency_samples": len(lat),
+            "cpu_s": round(cpu, 3),
+            "cpu_s_per_10k": round(cpu * 10_000 / messages, 4),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            **({"statements": self.top_statements()} if self.query_times else {}),
+        }
+
+    def top_statements(self) -> list[dict[str, Any]]:
+        """Statements by total time, most first: where an arm waits on Postgres."""
+        ranked = sorted(self.statements.items(), key=lambda item: -item[1][1])
+        return [
+            {"sql": sql, "calls": int(calls), "total_s": round(secs, 3)}
+            for sql, (calls, secs) in ranked[:12]
+        ]
+
+
+def _consumer(cfg: Config, **options: Any) -> AIOKafkaConsumer:
+    return AIOKafkaConsumer(
+        bootstrap_servers=cfg.bootstrap_servers,
+        group_id=cfg.group_id,
+        auto_offset_reset="earliest",
+        **options,
+    )
+
+
+async def _connect(cfg: Config) -> asyncpg.Connection:
+    return await asyncpg.connect(cfg.dsn)
+
+
+class Progress:
+    """Where each partition stands; done once every one reached the topic's end."""
+
+    def __init__(self, end_offsets: dict[str, int]) -> None:
+        self.end = {int(p): end for p, end in end_offsets.items() if end > 0}
+        self.left = set(self.end)
+        self.assignments = 0
+
+    def at(self, partition: int, next_offset: int) -> None:
+        """``partition`` has been applied up to ``next_offset`` (exclusive)."""
+        if partition in self.left and next_offset >= self.end[partition]:
+            self.left.discard(partition)
+
+    @property
+    def done(self) -> bool:
+        """Every partition is applied to its end."""
+        return not self.left
+
+
+def _fields(value: bytes) -> tuple[str, str, int]:
+    doc = orjson.loads(value)
+    return doc["id"], doc["account"], doc["amount"]
+
+
+async def run_raw(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """The Kafka ceiling: getmany and decode, no database."""
+    consumer = _consumer(cfg, enable_auto_commit=False)
+    consumer.subscribe([cfg.topic])
+    await consumer.start()
+    progress = Progress(cfg.end_offsets)
+    try:
+        while not progress.done:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=HANDWRITTEN_BATCH)
+            for tp, records in batches.items():
+                for r in records:
+                    _fields(r.value)
+                progress.at(tp.partition, records[-1].offset + 1)
+        end = time.perf_counter()
+    finally:
+        await consumer.stop()
+    return clock.result(total, end)
+
+
+async def run_naive(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """One transaction per message: claim the key, write the effect, update the sum."""
+    conn = await _connect(cfg)
+    clock.watch(conn)
+    consumer = _consumer(cfg)  # offsets: Kafka's auto-commit, as most hand-written loops do
+    consumer.subscribe([cfg.topic])
+    await consumer.start()
+    progress = Progress(cfg.end_offsets)
+    try:
+        async for record in consumer:
+            key, account, amount = _fields(record.value)
+            async with conn.transaction():
+                if await conn.fetchval(CLAIM_ONE, key):
+                    await conn.execute(workload.EFFECT_ONE, key, account, amount)
+                    await conn.execute(workload.ACCOUNT_ONE, account, amount)
+                    clock.applied(conn, [(record.partition, record.offset)])
+            progress.at(record.partition, record.offset + 1)
+            if progress.done:
+                break
+    finally:
+        await consumer.stop()
+        await conn.close()
+    return clock.result(total)
+
+
+class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Offsets live in Postgres: start each assigned partition where the table says."""
+
+    def __init__(
+        self, consumer: AIOKafkaConsumer, conn: asyncpg.Connection, topic: str, progress: Progress
+    ) -> None:
+        self.consumer = consumer
+        self.conn = conn
+        self.topic = topic
+        self.progress = progress
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        return None
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        self.progress.assignments += 1
+        stored = dict(await self.conn.fetch(LOAD_OFFSETS, self.topic))
+        for tp in assigned:
+            if tp.partition in stored:  # else auto_offset_reset applies
+                self.consumer.seek(tp, stored[tp.partition])
+
+
+async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """The best hand-written batched loop: one transaction per getmany, set-based statements."""
+    conn = await _connect(cfg)
+    clock.watch(conn)
+    consumer = _consumer(cfg, enable_auto_commit=False)
+    progress = Progress(cfg.end_offsets)
+    consumer.subscribe([cfg.topic], listener=_SeekToStored(consumer, conn, cfg.topic, progress))
+    await consumer.start()
+    try:
+        while not progress.done:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=HANDWRITTEN_BATCH)
+            if not batches:
+                continue
+            records = [r for rs in batches.values() for r in rs]
+            decoded = [(r, *_fields(r.value)) for r in records]
+            next_offsets = {tp.partition: rs[-1].offset + 1 for tp, rs in batches.items()}
+            async with conn.transaction():
+                fresh = {row[0] for row in await conn.fetch(CLAIM_MANY, [d[1] for d in decoded])}
+                # The first copy of each fresh key (a batch may hold a redelivery too).
+                first = []
+                for d in decoded:
+                    if d[1] in fresh:
+                        fresh.discard(d[1])
+                        first.append(d)
+                if first:
+                    await conn.execute(
+                        workload.EFFECT_MANY,
+                        [d[1] for d in first],
+                        [d[2] for d in first],
+                        [d[3] for d in first],
+                    )
+                    await conn.execute(
+                        workload.ACCOUNT_MANY, [d[2] for d in first], [d[3] for d in first]
+                    )
+                await conn.execute(
+                    STORE_OFFSETS, cfg.topic, list(next_offsets), list(next_offsets.values())
+                )
+                clock.applied(conn, [(d[0].partition, d[0].offset) for d in first])
+            for partition, next_offset in next_offsets.items():
+                progress.at(partition, next_offset)
+    finally:
+        await consumer.stop()
+        await conn.close()
+    result = clock.result(total)
+    result["assignments"] = progress.assignments
+    return result
+
+
+class CountingSpanExporter:
+    """A span exporter that only counts: the SDK does all its work, nothing is slow after it."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+def install_sdk() -> tuple[CountingSpanExporter, Callable[[], None]]:
+    """The OpenTelemetry SDK as an application would install it.
+
+    Tracing: a TracerProvider with the SDK's default sampler (parent-based,
+    always on) and a BatchSpanProcessor feeding a counting exporter.  Metrics: a
+    MeterProvider whose periodic reader writes to /dev/null.  Returns the
+    exporter and a function that flushes and shuts both down.
+    """
+    import os
+
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporter = CountingSpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(exporter))  # type: ignore[arg-type]
+    trace.set_tracer_provider(tracer_provider)
+    devnull = open(os.devnull, "w")  # closed by shutdown()
+    meter_provider = MeterProvider(
+        metric_readers=[PeriodicExportingMetricReader(ConsoleMetricExporter(out=devnull))]
+    )
+    metrics.set_meter_provider(meter_provider)
+
+    def shutdown() -> None:
+        tracer_provider.force_flush()
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+        devnull.close()
+
+    return exporter, shutdown
+
+
+async def run_dedup(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """dedup.IdempotentConsumer with the same business writes (batch or per message)."""
+    exporter = shutdown = None
+    if cfg.arm == "dedup_batch_traced":
+        exporter, shutdown = install_sdk()
+    import dedup
+
+    await dedup.migrate(cfg.dsn)
+    per_message = cfg.arm == "dedup_per_message"
+
+    async def handle_batch(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        decoded = [m.json() for m in msgs]
+        await tx.conn.execute(
+            workload.EFFECT_MANY,
+            [d["id"] for d in decoded],
+            [d["account"] for d in decoded],
+            [d["amount"] for d in decoded],
+        )
+        await tx.conn.execute(
+            workload.ACCOUNT_MANY, [d["account"] for d in decoded], [d["amount"] for d in decoded]
+        )
+        clock.applied(tx.conn, [(m.partition, m.offset) for m in msgs])
+
+    async def handle_one(msg: dedup.Message, tx: dedup.Tx) -> None:
+        doc = msg.json()
+        await tx.conn.execute(workload.EFFECT_ONE, doc["id"], doc["account"], doc["amount"])
+        await tx.conn.execute(workload.ACCOUNT_ONE, doc["account"], doc["amount"])
+        clock.applied(tx.conn, [(msg.partition, msg.offset)])
+
+    options: dict[str, Any] = {}
+    if per_message:
+        options["batch_size"] = 1
+    else:
+        options["batch"] = True
+        if cfg.batch_size is not None:
+            options["batch_size"] = cfg.batch_size
+    consumer = dedup.IdempotentConsumer(
+        handle_one if per_message else handle_batch,
+        topics=[cfg.topic],
+        group_id=cfg.group_id,
+        bootstrap_servers=cfg.bootstrap_servers,
+        dsn=cfg.dsn,
+        key=dedup.keys.json_field("id"),
+        auto_offset_reset="earliest",
+        install_signal_handlers=False,
+        **options,
+    )
+    task = asyncio.create_task(consumer.run())
+    counted = ("processed", "duplicates", "dead_lettered", "conflicts")
+    watcher = await _connect(cfg)
+    try:
+        while True:
+            if task.done():
+                task.result()  # raises what stopped it
+                raise RuntimeError("the consumer stopped before consuming the whole topic")
+            # The counters are a cheap first hint; the offsets dedup stored in
+            # Postgres are the proof that every partition is applied to its end.
+            if sum(consumer.stats.get(k, 0) for k in counted) >= total:
+                await asyncio.sleep(0)  # let the last COMMIT's query logger run
+                end = clock.last_commit
+                if await _dedup_done(watcher, cfg):
+                    break
+            await asyncio.sleep(0.01)
+        result = clock.result(total, end)
+    finally:
+        await watcher.close()
+        await consumer.stop()
+        await task
+    result["stats"] = dict(consumer.stats)
+    if shutdown is not None and exporter is not None:
+        shutdown()
+        result["spans_exported"] = exporter.spans
+    return result
+
+
+async def _dedup_done(conn: asyncpg.Connection, cfg: Config) -> bool:
+    rows = await conn.fetch(
+        'SELECT "partition", next_offset FROM dedup.partitions WHERE group_id = $1 AND topic = $2',
+        cfg.group_id,
+        cfg.topic,
+    )
+    stored = {r["partition"]: r["next_offset"] or 0 for r in rows}
+    return all(stored.get(int(p), 0) >= end for p, end in cfg.end_offsets.items())
+
+
+RUNNERS = {
+    "raw": run_raw,
+    "naive": run_naive,
+    "handwritten": run_handwritten,
+}
+
+
+async def prepare(cfg: Config) -> None:
+    """Business tables (and, for the hand-written arms, their claim and offset tables)."""
+    if cfg.arm == "raw":
+        return
+    conn = await _connect(cfg)
+    try:
+        await conn.execute(workload.BUSINESS_DDL)
+        if cfg.arm in ("naive", "handwritten"):
+            await conn.execute(CLAIMS_DDL)
+    finally:
+        await conn.close()
+
+
+async def verify(cfg: Config, expected: workload.Workload) -> tuple[bool, str]:
+    """The arm's check: one effect per distinct key and the right sums (raw has none)."""
+    if cfg.arm == "raw":
+        return True, "no database"
+    conn = await _connect(cfg)
+    try:
+        return await workload.check(conn, expected)
+    finally:
+        await conn.close()
+
+
+async def main(cfg: Config) -> dict[str, Any]:
+    """Prepare, consume the topic, check; the result as a dict."""
+    expected = workload.Workload.from_dict(cfg.workload)
+    await prepare(cfg)
+    clock = Clock(
+        measure_latency=cfg.measure_latency,
+        query_times=cfg.query_times,
+        ready_file=cfg.ready_file,
+    )
+    clock.install_kafka_hook()
+    runner = RUNNERS.get(cfg.arm, run_dedup)
+    result = await asyncio.wait_for(runner(cfg, clock, expected.messages), cfg.timeout_s)
+    ok, detail = await verify(cfg, expected)
+    result.update(arm=cfg.arm, ok=ok, check=detail, batch_size=cfg.batch_size)
+    return result
+
+
+if __name__ == "__main__":
+    config = Config(**orjson.loads(Path(sys.argv[1]).read_bytes()))
+    print(orjson.dumps(asyncio.run(main(config))).decode(), flush=True)

@@ -1,0 +1,281 @@
+"""The benchmark run: fill one topic, then run the arms in turn, round after round.
+
+Arms alternate (A B C ... A B C ...) so that whatever else the shared machine
+does hits every arm alike; each arm runs in its own process, with a fresh
+consumer group and a fresh database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import arms, report, stats, workload
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results.json"
+DEFAULT_BATCH_SIZES = (1, 10, 100, 500, 1000)
+
+
+def services() -> tuple[str, str]:
+    """Kafka and Postgres: from the environment, else from compose/local's .services/env."""
+    env = ROOT / ".services" / "env"
+    local: dict[str, str] = {}
+    if env.exists():
+        pairs = (line.split("=", 1) for line in env.read_text().splitlines() if "=" in line)
+        local = {k.strip(): v.strip() for k, v in pairs}
+    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or local.get("KAFKA_BOOTSTRAP_SERVERS")
+    dsn = os.environ.get("DEDUP_DSN") or local.get("DEDUP_DSN")
+    if not kafka or not dsn:
+        sys.exit(
+            "no Kafka/Postgres: set KAFKA_BOOTSTRAP_SERVERS and DEDUP_DSN, "
+            "or start the local services with compose/local/up (make bench does)"
+        )
+    return kafka, dsn
+
+
+def dedup_available() -> bool:
+    """True once the library exposes IdempotentConsumer (the dedup arms need it)."""
+    try:
+        import dedup
+    except ImportError:
+        return False
+    return hasattr(dedup, "IdempotentConsumer")
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    cpu_model = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu_model,
+        "logical_cpus": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+async def server_versions(kafka: str, dsn: str) -> dict[str, str]:
+    """Postgres's version, and the client libraries'."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        pg = await conn.fetchval("SHOW server_version")
+    finally:
+        await conn.close()
+    found = {"postgres": pg}
+    for dist in ("dedup", "aiokafka", "asyncpg", "orjson", "opentelemetry-sdk"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    kafka_libs = Path.home() / ".cache" / "dedup"
+    brokers = sorted(p.name for p in kafka_libs.glob("kafka-*")) if kafka_libs.exists() else []
+    found["kafka"] = brokers[-1].removeprefix("kafka-") if brokers else "unknown"
+    return found
+
+
+def run_arm(
+    cfg: arms.Config, admin_dsn: str, database: str, profile: Path | None = None
+) -> dict[str, Any]:
+    """Run one arm in its own process on a fresh database; its result (or the failure).
+
+    With ``profile``, the process runs under pyinstrument and its report is
+    written there (the figures are then slowed by the profiler).
+    """
+    asyncio.run(workload.create_database(admin_dsn, database))
+    try:
+        with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
+            f.write(orjson.dumps(cfg.__dict__))
+        started = time.monotonic()
+        command = [sys.executable, "-m", "bench.arms", f.name]
+        if profile is not None:
+            profile.parent.mkdir(parents=True, exist_ok=True)
+            command[1:1] = ["-m", "pyinstrument", "-r", "text", "--show-all", "-o", str(profile)]
+        proc = subprocess.run(
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=cfg.timeout_s + 60,
+            check=False,
+        )
+        Path(f.name).unlink()
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+            return {"arm": cfg.arm, "ok": False, "error": f"exit {proc.returncode}: {tail}"}
+        result: dict[str, Any] = orjson.loads(lines[-1])
+        result["wall_s"] = round(time.monotonic() - started, 1)
+        return result
+    finally:
+        asyncio.run(workload.drop_database(admin_dsn, database))
+
+
+def arm_list(requested: list[str], batch_sizes: list[int]) -> list[tuple[str, int | None]]:
+    """``(name, batch_size)`` for each arm of a round, the batch-size sweep last."""
+    have_dedup = dedup_available()
+    chosen: list[tuple[str, int | None]] = []
+    for name in requested:
+        if name in arms.DEDUP_ARMS and not have_dedup:
+            print(f"note: {name} skipped: dedup.IdempotentConsumer is not there yet")
+            continue
+        chosen.append((name, None))
+    if have_dedup:
+        chosen += [(f"{arms.SWEEP_PREFIX}{n}", n) for n in batch_sizes]
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench``: run the benchmark, print the table, write results.json."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--messages", type=int, default=200_000, help="records in the topic")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of all arms")
+    parser.add_argument(
+        "--arms",
+        default=",".join(arms.ARMS),
+        help=f"comma-separated, from {', '.join(arms.ARMS)}",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+        help="dedup_batch batch sizes for the plot ('' for none)",
+    )
+    parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--duplicates", type=float, default=0.10, help="share of duplicate keys")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    parser.add_argument(
+        "--publish", action="store_true", help="also update docs/performance.md and its plot"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="run each arm under pyinstrument and write its report to DIR (slows the arms)",
+    )
+    parser.add_argument(
+        "--query-times",
+        action="store_true",
+        help="also report the time each arm spends in each SQL statement",
+    )
+    args = parser.parse_args(argv)
+    requested = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(requested) - set(arms.ARMS)
+    if unknown:
+        parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
+    sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+    kafka, admin_dsn = services()
+    plan = arm_list(requested, sizes)
+
+    run_id = uuid.uuid4().hex[:8]
+    records, expected = workload.generate(args.messages, args.duplicates)
+    topic = asyncio.run(workload.create_topic(kafka, args.partitions))
+    print(
+        f"run {run_id}: topic {topic}, {args.messages:,} records "
+        f"({expected.distinct:,} distinct keys), {args.partitions} partitions"
+    )
+    started = time.monotonic()
+    end_offsets = asyncio.run(workload.produce(kafka, topic, args.partitions, records))
+    print(f"filled in {time.monotonic() - started:.1f}s")
+    del records
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in plan}
+    try:
+        for rnd in range(1, args.rounds + 1):
+            for name, size in plan:
+                tag = name.replace("@", "_bs")
+                cfg = arms.Config(
+                    arm=name,
+                    bootstrap_servers=kafka,
+                    topic=topic,
+                    group_id=f"bench-{run_id}-{tag}-r{rnd}",
+                    dsn=workload.with_database(admin_dsn, f"bench_{run_id}_{tag}_r{rnd}"),
+                    workload=expected.as_dict(),
+                    end_offsets=end_offsets,
+                    batch_size=size,
+                    query_times=args.query_times,
+                )
+                profile = args.profile / f"{tag}-r{rnd}.txt" if args.profile else None
+                result = run_arm(cfg, admin_dsn, f"bench_{run_id}_{tag}_r{rnd}", profile)
+                result["round"] = rnd
+                results[name].append(result)
+                print(report.progress_line(rnd, args.rounds, result), flush=True)
+    finally:
+        asyncio.run(workload.delete_topic(kafka, topic))
+
+    summary = summarize(results)
+    summary["config"] = {
+        "messages": args.messages,
+        "distinct_keys": expected.distinct,
+        "duplicate_ratio": args.duplicates,
+        "partitions": args.partitions,
+        "rounds": args.rounds,
+        "record_bytes": 200,
+        "handwritten_batch": arms.HANDWRITTEN_BATCH,
+        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    summary["machine"] = machine()
+    summary["versions"] = asyncio.run(server_versions(kafka, admin_dsn))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    print()
+    print(report.table(summary))
+    print(f"\nwritten: {args.out}")
+    if args.publish:
+        for written in report.publish(summary):
+            print(f"written: {written}")
+    return 0
+
+
+FIGURES = ("msgs_per_s", "p50_ms", "p99_ms", "cpu_s_per_10k", "peak_rss_mb")
+
+
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm: median and spread of each figure; ratios round by round; the targets."""
+    summary_arms: dict[str, Any] = {}
+    for name, runs in results.items():
+        void = any(not r.get("ok") for r in runs)
+        entry: dict[str, Any] = {"void": void, "rounds": runs}
+        if void:
+            entry["why_void"] = [r.get("check") or r.get("error") for r in runs if not r.get("ok")]
+        for figure in FIGURES:
+            found = stats.summarize([r[figure] for r in runs if r.get(figure) is not None])
+            entry[figure] = None if found is None else found.median
+            if figure == "msgs_per_s" and found is not None:
+                entry["msgs_per_s_summary"] = found.as_dict()
+        summary_arms[name] = entry
+    n_rounds = max((len(runs) for runs in results.values()), default=0)
+    per_round: list[dict[str, float | None]] = []
+    for i in range(n_rounds):
+        figures: dict[str, float | None] = {}
+        for name, runs in results.items():
+            if i < len(runs) and not summary_arms[name]["void"]:
+                figures[name] = runs[i].get("msgs_per_s")
+        per_round.append(figures)
+    ratios = stats.ratios_table(per_round, list(results))
+    return {
+        "arms": summary_arms,
+        "ratios": ratios,
+        "targets": stats.evaluate_targets(ratios),
+    }
