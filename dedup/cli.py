@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import datetime
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -234,6 +235,10 @@ async def _connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connect
             f"{exc}: connect as a role granted dedup_audit (reading) or dedup_runtime "
             "(replay, purge); see docs/howto/audit-and-purge.md"
         ) from exc
+    except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
+        raise errors.ServiceUnavailableError(
+            f"lost the connection to Postgres ({exc}); run the command again"
+        ) from exc
     finally:
         await pool.close()
 
@@ -305,6 +310,11 @@ async def _dead_letters_replay(args: argparse.Namespace) -> int:
             "no Kafka to replay to: pass --bootstrap-servers host:port or set "
             "KAFKA_BOOTSTRAP_SERVERS"
         )
+    # aiokafka logs an error per metadata retry while it looks for a missing
+    # topic; the report says it once, in the skipped list.
+    logging.getLogger("aiokafka.cluster").addFilter(
+        lambda record: "not found in cluster metadata" not in str(record.msg)
+    )
     async with _connection(args) as conn:
         done = await dead_letters.replay(
             conn,

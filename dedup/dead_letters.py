@@ -23,6 +23,8 @@ import asyncpg
 
 from dedup import audit, errors, events, report, schema, timespec
 
+KAFKA_TIMEOUT_MS = 5000
+
 SHOW_COLUMNS = (report.Column("field"),)  # unused by the vertical layout, kept for the Section
 
 
@@ -152,8 +154,14 @@ SKIPPED_COLUMNS = (report.Column("id"), report.Column("reason"))
 
 
 async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:
+    # The dead letter stays locked in an open transaction while its record is
+    # produced: the request timeout keeps that well under the server's
+    # idle_in_transaction_session_timeout (dedup.db).
     producer = aiokafka.AIOKafkaProducer(
-        bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True
+        bootstrap_servers=bootstrap_servers,
+        acks="all",
+        enable_idempotence=True,
+        request_timeout_ms=KAFKA_TIMEOUT_MS,
     )
     try:
         await producer.start()
@@ -164,6 +172,19 @@ async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:
             "pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS"
         ) from exc
     return producer
+
+
+async def _missing_destination(
+    producer: aiokafka.AIOKafkaProducer, topic: str, partition: int
+) -> str | None:
+    """Why the record cannot go back where it came from, or None when it can."""
+    try:
+        partitions = await producer.partitions_for(topic)
+    except aiokafka.errors.KafkaError as exc:
+        return f"topic {topic!r} is not in Kafka ({type(exc).__name__})"
+    if partition not in partitions:
+        return f"topic {topic!r} has no partition {partition}"
+    return None
 
 
 async def _replay_one(
@@ -177,10 +198,15 @@ async def _replay_one(
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Replay one dead letter; return (what was replayed, None) or (None, why not)."""
     queries = schema.Queries(schema_name)
+    first = await conn.fetchrow(queries.dead_letter_record, dead_letter_id)
+    if first is None:
+        return None, "no dead letter with this id"
+    # Found out before the row is locked: waiting for a missing topic takes seconds.
+    missing = await _missing_destination(producer, first["topic"], first["partition"])
+    if missing:
+        return None, missing
     async with conn.transaction():
         record = await conn.fetchrow(queries.dead_letter_record + " FOR UPDATE", dead_letter_id)
-        if record is None:
-            return None, "no dead letter with this id"
         if record["replayed_at"] is not None and not again:
             when = report.utc(record["replayed_at"])
             return None, f"replayed already at {when} (--again to resend)"

@@ -55,7 +55,11 @@ DEFAULT_BATCH_SIZE = 5000
 DEFAULT_PAUSE = 0.05
 BATCH_LOCK_TIMEOUT = "2s"
 RESUMMARIZE_LOCK_TIMEOUT = "100ms"
-LOCK_RETRIES = 3
+# Waits between tries when rows or the table are locked (whatever --pause is):
+# a consumer's transaction ends in milliseconds, an autovacuum of a small table
+# in a second or two; a long autovacuum is not waited for.
+BATCH_BACKOFF = (0.1, 0.5, 2.0)
+RESUMMARIZE_BACKOFF = (0.5, 1.0, 2.0, 4.0)
 # How long purge waits for transactions older than its deletes before summarizing.
 SNAPSHOT_WAIT = 10.0
 
@@ -217,7 +221,7 @@ class _Purge:
             await self._resummarize(finished, owner=layout["owner"])
 
     async def _delete(self, batch: Batch) -> bool:
-        for attempt in range(1, LOCK_RETRIES + 1):
+        for attempt, backoff in enumerate(BATCH_BACKOFF, start=1):
             try:
                 status = await self.conn.execute(
                     self.queries.purge_processed_batch,
@@ -227,7 +231,7 @@ class _Purge:
                 )
             except asyncpg.LockNotAvailableError:
                 log.info("purge: blocks %d-%d busy (try %d)", batch.lo, batch.hi, attempt)
-                await asyncio.sleep(self.pause * attempt)
+                await asyncio.sleep(backoff)
                 continue
             self.result.processed += int(status.split()[-1])
             self.result.batches += 1
@@ -249,9 +253,10 @@ class _Purge:
         # Rows deleted under an older snapshot are still "recently dead" and would
         # go into the new summary, keeping it as wide as before.
         await self._wait_for_older_snapshots()
-        for attempt in range(LOCK_RETRIES):
-            if attempt:
-                await asyncio.sleep(self.pause * attempt)
+        for backoff in (0.0, *RESUMMARIZE_BACKOFF):
+            if not ranges:
+                break
+            await asyncio.sleep(backoff)
             locked = []
             for brin_range in ranges:
                 try:

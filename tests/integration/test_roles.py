@@ -114,7 +114,7 @@ async def test_audit_and_events_work_under_the_read_only_role(
     dsn: str, pool: Any, login_as: LoginAs
 ) -> None:
     await add_key(pool, "pay-1", duplicates=1)
-    await add_event(pool, "message", "duplicate", namespace="payments", key="pay-1", token=4)
+    await add_event(pool, "message", "conflict", namespace="payments", key="pay-1", token=4)
     await add_dead_letter(pool, offset=3, idempotency_key="pay-3")
     auditor = await login_as("dedup_audit")
 
@@ -163,7 +163,7 @@ PERMISSION = "permission denied|must be owner|must be superuser"
 async def test_the_runtime_role_uses_the_tables_but_changes_no_structure_or_history(
     dsn: str, pool: Any, login_as: LoginAs
 ) -> None:
-    await add_event(pool, "message", "duplicate", namespace="payments", key="pay-1")
+    await add_event(pool, "message", "conflict", namespace="payments", key="pay-1")
     runtime = await login_as("dedup_runtime")
     conn = await asyncpg.connect(runtime)
     try:
