@@ -312,7 +312,11 @@ async def _check_privileges(
     conn: asyncpg.Connection, queries: schema.Queries, *, events: bool
 ) -> None:
     may = await conn.fetchrow(queries.purge_privileges)
-    if may is None or not (may["processed"] and may["dead_letters"]):
+    if may["processed"] is None:  # to_regclass found no table
+        raise errors.ConfigurationError(
+            f"no dedup tables in schema {queries.schema!r}: check --schema, or run `dedup migrate`"
+        )
+    if not (may["processed"] and may["dead_letters"]):
         raise errors.ConfigurationError(
             "permission denied: this role may not delete from processed and dead_letters; "
             "run purge as a role granted dedup_runtime, or as the owner"

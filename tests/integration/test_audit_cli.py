@@ -214,9 +214,10 @@ def test_a_missing_database_setting_or_schema_is_named(dsn: str) -> None:
     no_dsn = run_cli("audit", "--key", "k")
     assert no_dsn.returncode == 2
     assert "pass --dsn" in no_dsn.stderr
-    unmigrated = run_cli("audit", "--key", "k", "--schema", "elsewhere", dsn=dsn)
-    assert unmigrated.returncode == 2
-    assert "no dedup tables in schema 'elsewhere'" in unmigrated.stderr
+    for command in (["audit", "--key", "k"], ["purge", "--older-than", "30d"]):
+        unmigrated = run_cli(*command, "--schema", "elsewhere", dsn=dsn)
+        assert unmigrated.returncode == 2
+        assert "no dedup tables in schema 'elsewhere'" in unmigrated.stderr
 
 
 async def test_events_of_a_task_show_a_takeover_with_both_tokens(dsn: str, pool: Any) -> None:
