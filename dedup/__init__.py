@@ -20,6 +20,9 @@ from dedup.errors import (
 from dedup.leases import Lease, Leases
 from dedup.message import Message, Outcome, Tx
 from dedup.migrations import migrate
+from dedup.reconciliation import Check as ReconcileCheck
+from dedup.reconciliation import Report as ReconcileReport
+from dedup.reconciliation import reconcile
 from dedup.tasks import TaskOutcome, TaskRun, TaskRunner
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "Message",
     "MigrationError",
     "Outcome",
+    "ReconcileCheck",
+    "ReconcileReport",
     "ServiceUnavailableError",
     "StaleTokenError",
     "TaskOutcome",
@@ -40,5 +45,6 @@ __all__ = [
     "Tx",
     "keys",
     "migrate",
+    "reconcile",
     "wrap",
 ]

@@ -29,6 +29,7 @@ from dedup import (
     dead_letters,
     errors,
     migrations,
+    reconciliation,
     report,
     retention,
     schema,
@@ -464,6 +465,101 @@ def _add_purge(sub: Any) -> None:
     p.set_defaults(func=_purge)
 
 
+# --- run, reconcile: the bundled services and the reconciliation layer -----------------
+
+
+def _load_service(spec: str) -> Callable[[list[str]], Any]:
+    """The entry point named by ``MODULE`` (its ``main``) or ``MODULE:FUNCTION``."""
+    module_name, _, attribute = spec.partition(":")
+    # Like `python -m`: a service module next to where the command runs is found.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise errors.ConfigurationError(f"cannot import service {module_name}: {exc}") from exc
+    entry = getattr(module, attribute or "main", None)
+    if not callable(entry):
+        raise errors.ConfigurationError(
+            f"{module_name} has no {attribute or 'main'}(argv) entry point: a service module "
+            "defines `async def main(argv: list[str]) -> int`"
+        )
+    found: Callable[[list[str]], Any] = entry
+    return found
+
+
+async def _run(args: argparse.Namespace) -> int:
+    entry = _load_service(args.service)
+    forwarded = []
+    for flag, value in (("--dsn", args.dsn), ("--schema", args.schema)):
+        if value:
+            forwarded += [flag, value]
+    outcome = entry([*forwarded, *args.args])
+    if asyncio.iscoroutine(outcome):
+        outcome = await outcome
+    return EXIT_OK if outcome is None else int(outcome)
+
+
+async def _reconcile(args: argparse.Namespace) -> int:
+    registry = reconciliation.Registry.default(args.module)
+    if args.list:
+        for check in registry.checks():
+            print(f"{check.task}\t{check.description}")
+        return EXIT_OK
+    if not args.task or args.date is None:
+        raise errors.ConfigurationError("give --task CODE and --date YYYY-MM-DD (or --list)")
+    check = registry.get(args.task)
+    async with _connection(args) as conn:
+        found = await reconciliation.reconcile(
+            conn, check, args.date, schema_name=args.schema, holder=args.holder
+        )
+    print(found.render(args.format))
+    return EXIT_OK if found.ok else EXIT_PROBLEM
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a service module, e.g. dedup run consumers.payments",
+        description="Imports MODULE and calls its entry point with the arguments after it: "
+        "`main(argv) -> int` (async or not), or the FUNCTION named. `dedup run MODULE --help` "
+        "shows the service's own options. The exit code is the service's.",
+    )
+    p.add_argument("--dsn", help="passed to the service as --dsn (it reads $DEDUP_DSN itself)")
+    p.add_argument("--schema", help="passed to the service as --schema")
+    p.add_argument("service", metavar="MODULE[:FUNCTION]", help="e.g. consumers.payments")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options")
+    p.set_defaults(func=_run)
+
+
+def _add_reconcile(sub: Any) -> None:
+    p = sub.add_parser(
+        "reconcile",
+        help="compare a task's source and result for one business date",
+        description="Runs the source and result queries declared for the task code (RECONCILE "
+        "in a module: --module, $DEDUP_RECONCILE_MODULES, or an entry point of the "
+        "dedup.reconcile group) for one business date, in one snapshot; prints both figures "
+        "and the difference and writes a reconcile event. Exit codes: 0 they agree, "
+        "1 mismatch, 2 bad usage (unknown task, bad date, a query that fails).",
+    )
+    p.add_argument("--task", help="the task code, e.g. statements")
+    p.add_argument(
+        "--date",
+        type=_argtype(reconciliation.parse_date, "date"),
+        help="the business date, YYYY-MM-DD",
+    )
+    p.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        help="a module declaring RECONCILE (repeatable)",
+    )
+    p.add_argument("--list", action="store_true", help="list the known task codes and exit")
+    p.add_argument("--holder", help="who checks, for the events table (default: hostname:pid)")
+    _output(p, limit=False)
+    p.set_defaults(func=_reconcile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every ``dedup`` command."""
     parser = argparse.ArgumentParser(
@@ -507,6 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for add in (_add_audit, _add_events, _add_dead_letters, _add_purge):
         add(sub)
+    _add_run(sub)
+    _add_reconcile(sub)
     return parser
 
 

@@ -1,0 +1,424 @@
+"""Reconciliation: per task code and business date, do the source and the result agree?
+
+The third layer, after coordination (leases) and execution (idempotency keys):
+it blocks nothing, it finds out.  Keys purged before a late replay, a producer
+that minted two ids for one payment, a fix written by hand around the fence, a
+lost row: each shows up as a difference between what should have been done
+(the source) and what was done (the result).
+
+A :class:`Check` names a task code and two SQL queries.  Each takes the
+business date as ``$1`` and returns one row: a row count, and a total (a sum of
+amounts, or NULL when the figures have none).  ``{schema}`` in a query is
+dedup's schema.  :func:`reconcile` runs both in one snapshot, so rows committed
+in between cannot make a false mismatch, and returns a :class:`Report`.  Every
+run writes a ``reconcile`` event (``reconcile_ok`` or ``reconcile_mismatch``,
+with both figures); a mismatch also counts ``dedup.reconcile.mismatches``.
+
+Checks are registered by task code (:class:`Registry`):
+
+- a module declares ``RECONCILE``: a :class:`Check`, a mapping with the same
+  fields (``task`` defaults to the module's ``TASK``, else the last part of its
+  name), or a list of either; name it with ``--module`` or list it in
+  ``DEDUP_RECONCILE_MODULES`` (comma-separated);
+- an installed package declares an entry point in the ``dedup.reconcile`` group,
+  named by the task code, pointing at such a declaration
+  (``statements = "consumers.statements:RECONCILE"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import decimal
+import importlib
+import importlib.metadata
+import os
+import sys
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import asyncpg
+import orjson
+
+from dedup import db, errors, events, schema, tasks, telemetry
+
+ENTRY_POINT_GROUP = "dedup.reconcile"
+"""Entry points of installed packages: name = task code, value = a ``RECONCILE`` declaration."""
+MODULES_VARIABLE = "DEDUP_RECONCILE_MODULES"
+"""Comma-separated modules whose ``RECONCILE`` declarations are registered too."""
+
+Number = int | decimal.Decimal
+
+
+@dataclass(frozen=True)
+class Check:
+    """How to reconcile one task code: a source query and a result query."""
+
+    task: str
+    """The task code, e.g. ``statements``."""
+    source: str
+    """SQL, ``$1`` the business date: one row of (row count, total or NULL) that should be."""
+    result: str
+    """SQL, ``$1`` the business date: one row of (row count, total or NULL) that is."""
+    source_label: str = "source"
+    """What the source figures count, in reports (``applied payments``)."""
+    result_label: str = "result"
+    """What the result figures count, in reports (``balance postings``)."""
+    description: str = ""
+    """One line for ``dedup reconcile --list``."""
+
+    def __post_init__(self) -> None:
+        if not self.task or ":" in self.task:
+            raise errors.ConfigurationError(
+                f"reconcile check: invalid task code {self.task!r} (a non-empty name without ':')"
+            )
+        for name in ("source", "result"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise errors.ConfigurationError(
+                    f"reconcile check {self.task}: {name} must be a SQL query taking the "
+                    "business date as $1"
+                )
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One side of a comparison."""
+
+    rows: int
+    """The row count."""
+    total: Number | None
+    """The total (NULL when the check counts rows only)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What :func:`reconcile` found for one task code and business date."""
+
+    task: str
+    """The task code."""
+    business_date: dt.date
+    """The business date."""
+    source: Figures
+    """What should have been done."""
+    result: Figures
+    """What was done."""
+    source_label: str = "source"
+    """What the source figures count."""
+    result_label: str = "result"
+    """What the result figures count."""
+
+    @property
+    def ok(self) -> bool:
+        """Source and result agree on the row count and on the total."""
+        return self.source == self.result
+
+    @property
+    def rows_difference(self) -> int:
+        """Result rows minus source rows (negative: rows missing from the result)."""
+        return self.result.rows - self.source.rows
+
+    @property
+    def total_difference(self) -> Number | None:
+        """Result total minus source total (None when either has no total)."""
+        if self.source.total is None or self.result.total is None:
+            return None
+        return _plain(self.result.total - self.source.total)
+
+    def as_json(self) -> dict[str, Any]:
+        """The report as JSON-ready data (totals as numbers when whole, else strings)."""
+        return {
+            "task": self.task,
+            "business_date": self.business_date.isoformat(),
+            "ok": self.ok,
+            "source": {"label": self.source_label, **_json_figures(self.source)},
+            "result": {"label": self.result_label, **_json_figures(self.result)},
+            "difference": {
+                "rows": self.rows_difference,
+                "total": _json_number(self.total_difference),
+            },
+        }
+
+    def render(self, format: str = "table") -> str:
+        """The report as text lines (``table``) or one JSON document (``json``)."""
+        if format == "json":
+            return orjson.dumps(self.as_json(), option=orjson.OPT_INDENT_2).decode()
+        verdict = "OK" if self.ok else "MISMATCH"
+        labels = [
+            f"source ({self.source_label}):",
+            f"result ({self.result_label}):",
+            "difference (result - source):",
+        ]
+        rows = [str(self.source.rows), str(self.result.rows), f"{self.rows_difference:+}"]
+        totals = [_text(self.source.total), _text(self.result.total), _text(self.total_difference)]
+        if self.total_difference is not None:
+            totals[2] = f"{self.total_difference:+}"
+        has_total = self.source.total is not None or self.result.total is not None
+        widths = [max(map(len, column)) for column in (labels, rows, totals)]
+        lines = [f"reconcile {self.task} {self.business_date.isoformat()}: {verdict}"]
+        for label, count, total in zip(labels, rows, totals, strict=True):
+            line = f"  {label:<{widths[0]}}  {count:>{widths[1]}} rows"
+            if has_total:
+                line += f", total {total:>{widths[2]}}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+class Registry:
+    """Reconcile checks by task code: declared in modules, or by entry points."""
+
+    def __init__(self, checks: Iterable[Check] = ()) -> None:
+        self._checks: dict[str, tuple[Check, str]] = {}
+        for check in checks:
+            self.add(check)
+
+    @classmethod
+    def default(cls, modules: Sequence[str] = ()) -> Registry:
+        """The checks of ``modules`` and of ``DEDUP_RECONCILE_MODULES``; entry points on demand."""
+        registry = cls()
+        listed = [m.strip() for m in os.environ.get(MODULES_VARIABLE, "").split(",")]
+        for name in dict.fromkeys([*modules, *filter(None, listed)]):
+            registry.add_module(name)
+        return registry
+
+    def add(self, check: Check, origin: str = "code") -> None:
+        """Register ``check``; a second, different check for its task code is an error."""
+        known = self._checks.get(check.task)
+        if known is not None and known[0] != check:
+            raise errors.ConfigurationError(
+                f"two reconcile checks for task {check.task!r}: from {known[1]} and from {origin}"
+            )
+        self._checks[check.task] = (check, origin)
+
+    def add_module(self, name: str) -> None:
+        """Register the ``RECONCILE`` declaration of module ``name``."""
+        module = _import(name)
+        declared = getattr(module, "RECONCILE", None)
+        if declared is None:
+            raise errors.ConfigurationError(
+                f"module {name} declares no RECONCILE (a dedup.ReconcileCheck, a mapping with "
+                "task/source/result, or a list of them)"
+            )
+        default_task = getattr(module, "TASK", name.rpartition(".")[2])
+        for check in _checks(declared, default_task, f"module {name}"):
+            self.add(check, f"module {name}")
+
+    def get(self, task: str) -> Check:
+        """The check for ``task``; ConfigurationError naming the known task codes if none."""
+        if task in self._checks:
+            return self._checks[task][0]
+        for entry in _entry_points():
+            if entry.name == task:
+                self._add_entry_point(entry)
+                if task in self._checks:
+                    return self._checks[task][0]
+        raise errors.ConfigurationError(
+            f"no reconcile check for task {task!r}; known: {', '.join(self.tasks()) or 'none'} "
+            f"(declare RECONCILE in a module and pass --module MODULE, list it in "
+            f"{MODULES_VARIABLE}, or register an entry point in the {ENTRY_POINT_GROUP!r} group)"
+        )
+
+    def tasks(self) -> list[str]:
+        """Every task code known, without importing entry points."""
+        return sorted({*self._checks, *(e.name for e in _entry_points())})
+
+    def checks(self) -> list[Check]:
+        """Every check, entry points loaded."""
+        for entry in _entry_points():
+            if entry.name not in self._checks:
+                self._add_entry_point(entry)
+        return [self._checks[name][0] for name in sorted(self._checks)]
+
+    def _add_entry_point(self, entry: importlib.metadata.EntryPoint) -> None:
+        origin = f"entry point {entry.name} = {entry.value}"
+        try:
+            declared = entry.load()
+        except (ImportError, AttributeError) as exc:
+            raise errors.ConfigurationError(f"cannot load reconcile {origin}: {exc}") from exc
+        for check in _checks(declared, entry.name, origin):
+            if check.task == entry.name:
+                self.add(check, origin)
+
+
+async def reconcile(
+    target: Any,
+    task: str | Check,
+    business_date: dt.date | str,
+    *,
+    registry: Registry | None = None,
+    schema_name: str = schema.DEFAULT_SCHEMA,
+    holder: str | None = None,
+) -> Report:
+    """Compare source and result of ``task`` for ``business_date``; record and return the report.
+
+    ``target`` is a DSN, an asyncpg pool or a connection (pools and connections
+    need the jsonb codec of pools made by dedup; a DSN gets one).  ``task`` is a
+    task code, looked up in ``registry`` (default: :meth:`Registry.default`),
+    or a :class:`Check`.  Both queries run in one REPEATABLE READ transaction;
+    the ``reconcile`` event is written in it; a mismatch adds one to
+    ``dedup.reconcile.mismatches``.  A query that fails for a reason other than
+    a transient one raises :class:`dedup.ConfigurationError` naming the task and
+    the side.
+    """
+    check = task if isinstance(task, Check) else (registry or Registry.default()).get(task)
+    day = _date(business_date)
+    attributes = {
+        "dedup.task": check.task,
+        "dedup.key": day.isoformat(),
+        "db.system.name": "postgresql",
+    }
+    with telemetry.tracer.start_as_current_span(
+        f"reconcile {check.task}", attributes=attributes
+    ) as span:
+        async with _connection(target) as conn, conn.transaction(isolation="repeatable_read"):
+            source = await _figures(conn, check, "source", day, schema_name)
+            result = await _figures(conn, check, "result", day, schema_name)
+            report = Report(
+                task=check.task,
+                business_date=day,
+                source=source,
+                result=result,
+                source_label=check.source_label,
+                result_label=check.result_label,
+            )
+            await events.record(conn, schema_name, [_event(report, holder)])
+        span.set_attribute("dedup.reconcile.ok", report.ok)
+        if not report.ok:
+            telemetry.reconcile_mismatches.add(1, {"dedup.task": check.task})
+    return report
+
+
+def parse_date(text: str) -> dt.date:
+    """A business date from ``YYYY-MM-DD``; ValueError that names the input otherwise."""
+    try:
+        return dt.date.fromisoformat(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid business date {text!r}: expected YYYY-MM-DD") from None
+
+
+def _date(value: dt.date | str) -> dt.date:
+    if isinstance(value, dt.datetime):
+        raise errors.ConfigurationError(f"business date {value!r}: give a date, not a datetime")
+    if isinstance(value, dt.date):
+        return value
+    try:
+        return parse_date(value)
+    except ValueError as exc:
+        raise errors.ConfigurationError(str(exc)) from None
+
+
+@contextlib.asynccontextmanager
+async def _connection(target: Any) -> AsyncIterator[asyncpg.Connection]:
+    if isinstance(target, str):
+        pool = await db.create_pool(target, min_size=1, max_size=1)
+        try:
+            async with pool.acquire() as conn:
+                yield conn
+        finally:
+            await pool.close()
+    elif hasattr(target, "acquire"):
+        async with target.acquire() as conn:
+            yield conn
+    else:
+        yield target
+
+
+async def _figures(
+    conn: asyncpg.Connection, check: Check, side: str, day: dt.date, schema_name: str
+) -> Figures:
+    sql = schema.render(getattr(check, side), schema_name)
+    try:
+        row = await conn.fetchrow(sql, day)
+    except asyncpg.PostgresError as exc:
+        if db.is_retriable(exc):
+            raise
+        raise errors.ConfigurationError(
+            f"reconcile {check.task}: the {side} query failed ({type(exc).__name__}: {exc}); "
+            "has the service's migration run?"
+        ) from exc
+    if row is None or len(row) not in (1, 2) or not isinstance(row[0], int):
+        raise errors.ConfigurationError(
+            f"reconcile {check.task}: the {side} query must return one row of "
+            f"(count, total), not {None if row is None else tuple(row)!r}"
+        )
+    total = row[1] if len(row) == 2 else None
+    if total is not None and not isinstance(total, int | decimal.Decimal):
+        raise errors.ConfigurationError(
+            f"reconcile {check.task}: the {side} total must be a number or NULL, not {total!r}"
+        )
+    return Figures(rows=row[0], total=None if total is None else _plain(total))
+
+
+def _event(report: Report, holder: str | None) -> events.Event:
+    state = "ok" if report.ok else "mismatch"
+    return events.Event(
+        subject="reconcile",
+        kind=f"reconcile_{state}",
+        namespace=report.task,
+        key=report.business_date.isoformat(),
+        holder=holder or tasks.default_holder(),
+        to_state=state,
+        detail={
+            "source_rows": report.source.rows,
+            "source_total": _json_number(report.source.total),
+            "result_rows": report.result.rows,
+            "result_total": _json_number(report.result.total),
+            "rows_difference": report.rows_difference,
+            "total_difference": _json_number(report.total_difference),
+        },
+    )
+
+
+def _checks(declared: Any, default_task: str, origin: str) -> list[Check]:
+    items = declared if isinstance(declared, list | tuple) else [declared]
+    found = []
+    for item in items:
+        if isinstance(item, Check):
+            found.append(item)
+        elif isinstance(item, Mapping):
+            names = {f.name for f in fields(Check)}
+            unknown = sorted(set(item) - names)
+            if unknown:
+                raise errors.ConfigurationError(
+                    f"reconcile check from {origin}: unknown field(s) {', '.join(unknown)}"
+                )
+            found.append(Check(**{"task": default_task, **item}))
+        else:
+            raise errors.ConfigurationError(
+                f"reconcile check from {origin}: expected a dedup.ReconcileCheck or a mapping, "
+                f"not {type(item).__name__}"
+            )
+    return found
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _import(name: str) -> Any:
+    # Like `python -m`: a module next to where the command runs is found.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise errors.ConfigurationError(f"cannot import reconcile module {name}: {exc}") from exc
+
+
+def _plain(value: Number) -> Number:
+    """A whole Decimal as int, so totals print and compare as the numbers they are."""
+    if isinstance(value, decimal.Decimal) and value == value.to_integral_value():
+        return int(value)
+    return value
+
+
+def _json_number(value: Number | None) -> int | str | None:
+    return value if value is None or isinstance(value, int) else str(value)
+
+
+def _json_figures(figures: Figures) -> dict[str, Any]:
+    return {"rows": figures.rows, "total": _json_number(figures.total)}
+
+
+def _text(value: Number | None) -> str:
+    return "-" if value is None else str(value)
