@@ -26,12 +26,18 @@ def environment(dsn: str, bootstrap_servers: str = "", **extra: str) -> dict[str
     return env
 
 
-async def spawn(*argv: str, env: Mapping[str, str]) -> asyncio.subprocess.Process:
-    """``dedup ARGV`` from the checkout, stdout and stderr piped."""
+async def spawn(
+    *argv: str,
+    env: Mapping[str, str],
+    via_shell: bool = False,
+    program: str = DEDUP,
+    cwd: Path = ROOT,
+) -> asyncio.subprocess.Process:
+    """``dedup ARGV`` (``program ARGV``; with ``via_shell``, the command line ARGV[0] in sh)."""
+    command = ("/bin/sh", "-c", *argv) if via_shell else (program, *argv)
     return await asyncio.create_subprocess_exec(
-        DEDUP,
-        *argv,
-        cwd=ROOT,
+        *command,
+        cwd=cwd,
         env=dict(env),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -47,8 +53,8 @@ class Child:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def start(cls, *argv: str, env: Mapping[str, str]) -> Child:
-        return cls(await spawn(*argv, env=env))
+    async def start(cls, *argv: str, env: Mapping[str, str], via_shell: bool = False) -> Child:
+        return cls(await spawn(*argv, env=env, via_shell=via_shell))
 
     async def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -86,9 +92,11 @@ class Child:
 
 
 @contextlib.asynccontextmanager
-async def child(*argv: str, env: Mapping[str, str]) -> AsyncIterator[Child]:
-    """A ``dedup ...`` process, killed on the way out if it still runs."""
-    started = await Child.start(*argv, env=env)
+async def child(
+    *argv: str, env: Mapping[str, str], via_shell: bool = False
+) -> AsyncIterator[Child]:
+    """A ``dedup ...`` process (or a shell command), killed on the way out if it still runs."""
+    started = await Child.start(*argv, env=env, via_shell=via_shell)
     try:
         yield started
     finally:
@@ -96,9 +104,16 @@ async def child(*argv: str, env: Mapping[str, str]) -> AsyncIterator[Child]:
             await started.stop(signal.SIGKILL)
 
 
-async def run(*argv: str, env: Mapping[str, str], within: float = 60.0) -> tuple[int, str, str]:
-    """Run ``dedup ...`` to its end: (exit code, stdout, stderr)."""
-    proc = await spawn(*argv, env=env)
+async def run(
+    *argv: str,
+    env: Mapping[str, str],
+    via_shell: bool = False,
+    program: str = DEDUP,
+    cwd: Path = ROOT,
+    within: float = 60.0,
+) -> tuple[int, str, str]:
+    """Run ``dedup ...`` (see :func:`spawn`) to its end: (exit code, stdout, stderr)."""
+    proc = await spawn(*argv, env=env, via_shell=via_shell, program=program, cwd=cwd)
     out, err = await asyncio.wait_for(proc.communicate(), within)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()

@@ -1,0 +1,118 @@
+"""Every snippet of docs/howto/reconcile.md runs, in page order, and prints what the page shows.
+
+The statements of 2026-11-30 are written first (the ledger of
+test_service_statements); the page's outputs are compared with the real ones
+line for line, the planted mismatch is the page's own DELETE, the user's
+check module and its entry point are the page's, run from a project folder.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+import dedup
+from consumers import statements
+from tests.conftest import ROOT
+from tests.integration import docs_support, service_support
+from tests.integration.test_service_statements import DAY, ledger
+
+PAGE = ROOT / "docs" / "howto" / "reconcile.md"
+
+
+async def test_every_snippet_of_the_reconcile_howto_works(
+    dsn: str, pool: Any, tmp_path: Path
+) -> None:
+    blocks = docs_support.snippets(PAGE)
+    assert [lang for lang, _ in blocks] == [
+        *("sh", "text", "sql", "text", "sh", "json", "sql", "sh"),
+        *("python", "sh", "toml", "python"),
+    ]
+    (
+        command,
+        ok_output,
+        lose_a_row,
+        mismatch_output,
+        json_command,
+        json_output,
+        events_query,
+        list_command,
+        module,
+        module_command,
+        entry_points,
+        library,
+    ) = (body for _, body in blocks)
+    await ledger(pool)
+    await dedup.TaskRunner(pool=pool).run(statements.TASK, DAY, statements.job)
+    env = {
+        **service_support.environment(dsn),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+
+    async def sh(text: str, cwd: Path = ROOT) -> tuple[int, str, str]:
+        return await service_support.run(text, env=env, via_shell=True, cwd=cwd)
+
+    assert await sh(command) == (0, ok_output, "")
+    await pool.execute(lose_a_row)
+    assert await sh(command) == (1, mismatch_output, "")
+    code, out, _ = await sh(json_command)
+    assert code == 1 and orjson.loads(out) == orjson.loads(json_output)
+
+    recorded = await pool.fetch(events_query)
+    assert [(r["kind"], r["task"], r["business_date"]) for r in recorded] == [
+        ("reconcile_ok", "statements", DAY),
+        ("reconcile_mismatch", "statements", DAY),
+        ("reconcile_mismatch", "statements", DAY),
+    ]
+    assert recorded[2]["detail"]["total_difference"] == -60
+
+    code, out, _ = await sh(list_command)
+    assert code == 0
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        "coupons",
+        "notifications",
+        "payments",
+        "statements",
+    ]
+
+    # A check of the user's own, in a module of their project, run from there.
+    project = tmp_path / "project"
+    project.mkdir()
+    assert module.startswith("# nightly_checks.py\n")
+    (project / "nightly_checks.py").write_text(module)
+    await pool.execute(
+        "CREATE TABLE orders (order_date date, amount numeric);"
+        "CREATE TABLE invoices (invoice_date date, amount numeric);"
+        "INSERT INTO orders VALUES ('2026-11-30', 10.50), ('2026-11-30', 4);"
+        "INSERT INTO invoices VALUES ('2026-11-30', 10.50), ('2026-11-30', 4);"
+    )
+    code, out, err = await sh(module_command, cwd=project)
+    assert code == 0, err
+    assert out.splitlines() == [
+        "reconcile orders 2026-11-30: OK",
+        "  source (orders taken):          2 rows, total 14.50",
+        "  result (invoices issued):       2 rows, total 14.50",
+        "  difference (result - source):  +0 rows, total    +0",
+    ]
+    # The entry point names the same declaration.
+    (entry,) = tomllib.loads(entry_points)["project"]["entry-points"]["dedup.reconcile"].items()
+    sys.path.insert(0, str(project))
+    try:
+        check = importlib.metadata.EntryPoint(entry[0], entry[1], "dedup.reconcile").load()
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop("nightly_checks", None)
+    assert isinstance(check, dedup.ReconcileCheck) and check.task == entry[0] == "orders"
+
+    # From Python: the same report, and the exit code of a mismatch.
+    code, out, err = await service_support.run(
+        "-c", library, env=env, program=sys.executable, cwd=tmp_path
+    )
+    assert code == 1, err
+    assert out.splitlines() == [*mismatch_output.splitlines(), "missing: 1 statements, 60 in total"]
