@@ -29,10 +29,12 @@ from typing import Any
 
 import asyncpg
 import orjson
+from opentelemetry import propagate, trace
 
 from consumers import service
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("consumers.receiver")
 
 PATH = "/notifications"
 MAX_BODY = 1 << 20
@@ -113,6 +115,7 @@ class Receiver:
             self._failed[key] += 1
             return await self._log(key, token, 503, "unavailable")
         recipient = notification.get("recipient")
+        recipient = recipient if isinstance(recipient, str) else None
         async with self.pool.acquire() as conn, conn.transaction():
             if await conn.fetchval(DELIVER, key, recipient, body.decode(), token):
                 status, outcome = 201, "delivered"
@@ -137,6 +140,8 @@ class Receiver:
             status, outcome = await asyncio.wait_for(self._request(reader), 30)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
             status, outcome = 400, "incomplete request"
+        except ValueError as exc:  # a bad Content-Length, a body that is not UTF-8
+            status, outcome = 400, f"bad request: {exc}"
         except (OSError, asyncpg.PostgresError) as exc:
             log.warning("request failed: %r", exc)
             status, outcome = 503, f"{type(exc).__name__}"
@@ -173,11 +178,24 @@ class Receiver:
         body = await reader.readexactly(length)
         key = headers.get("idempotency-key", "")
         token = headers.get("x-fencing-token", "")
-        if not key or not token.isdigit():
-            return await self._log(
-                key or None, None, 400, "Idempotency-Key and X-Fencing-Token (an integer) needed"
-            )
-        return await self.deliver(key, int(token), body)
+        # The sender's trace continues here (W3C traceparent).
+        with tracer.start_as_current_span(
+            f"POST {PATH}",
+            context=propagate.extract(headers),
+            kind=trace.SpanKind.SERVER,
+            attributes={"http.request.method": "POST", "url.path": PATH, "dedup.key": key},
+        ) as span:
+            if not key or not token.isdigit():
+                status, outcome = await self._log(
+                    key or None,
+                    None,
+                    400,
+                    "Idempotency-Key and X-Fencing-Token (an integer) needed",
+                )
+            else:
+                status, outcome = await self.deliver(key, int(token), body)
+            span.set_attribute("http.response.status_code", status)
+            return status, outcome
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
 from consumers import notifications, outbox, receiver, service
@@ -64,7 +65,7 @@ async def all_sent(pool: Any, n: int) -> bool:
 
 
 async def test_duplicates_replays_and_two_dispatchers_deliver_each_once(
-    bootstrap_servers: str, topics: Topics, pool: Any
+    bootstrap_servers: str, topics: Topics, pool: Any, spans: InMemorySpanExporter
 ) -> None:
     topic = await topics.create(partitions=2)
     await notifications.SERVICE.migrate(pool)
@@ -101,6 +102,13 @@ async def test_duplicates_replays_and_two_dispatchers_deliver_each_once(
     assert (stats["sent"], stats["retried"], stats["failed"]) == (5, 5, 0)
     report = await dedup.reconcile(pool, notifications.RECONCILE, DAY)
     assert report.ok and report.result.rows == len(STREAM)
+    # Each send is a CLIENT span; the receiver's SERVER span continues its trace.
+    finished = spans.get_finished_spans()
+    sends = {s.context.span_id: s for s in finished if s.name == "POST"}
+    served = [s for s in finished if s.name == "POST /notifications"]
+    assert len(sends) == len(served) == 2 * len(STREAM)
+    assert all(s.parent is not None and s.parent.span_id in sends for s in served)
+    assert {sends[s.parent.span_id].attributes["dedup.token"] for s in served} == {1, 2}
 
 
 async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
