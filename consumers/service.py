@@ -178,9 +178,12 @@ async def started(
 
     Yields False when the service should not go on (``--migrate-only``).
     """
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    except ValueError as exc:
+        raise dedup.ConfigurationError(f"--log-level {args.log_level!r}: {exc}") from exc
     require(args.dsn, "--dsn", "DEDUP_DSN")
     if not args.no_migrate:
         schema_name = getattr(args, "schema", None)
