@@ -34,7 +34,7 @@ test: venv services lint
 	$(BIN)/pytest
 
 demo: venv services
-	$(BIN)/python -m dedup.demo
+	$(BIN)/python -m consumers.demo
 
 # The benchmark (bench/, docs/performance.md); not part of `make test`.
 # Shrink a run with e.g. BENCH_ARGS="--messages 20000 --rounds 2".
