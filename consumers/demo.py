@@ -7,7 +7,8 @@ On the Kafka and Postgres of ``KAFKA_BOOTSTRAP_SERVERS`` and ``DEDUP_DSN``
 fresh topics:
 
 1. produces payments, coupon requests and notifications with duplicates, a
-   replay of the first part of the payments topic and one poison message;
+   replay of the first part of the payments topic, one poison message
+   and one conflicting copy (the same payment id, another amount);
 2. runs two instances of each consumer (and two outbox dispatchers and the
    receiver) as real ``dedup run`` processes, and kills one payments instance
    with SIGKILL half-way;
@@ -220,6 +221,13 @@ async def produce(bootstrap: str, topics: dict[str, str], plan: Plan, rng: rando
             sends.append(
                 await producer.send(topics["payments"], orjson.dumps(p), key=p["account"].encode())
             )
+        # The same payment id with another amount: a conflict, never applied silently.
+        altered = {**plan.payments[7], "amount": plan.payments[7]["amount"] + 1}
+        sends.append(
+            await producer.send(
+                topics["payments"], orjson.dumps(altered), key=altered["account"].encode()
+            )
+        )
         poison = b'{"payment_id": "pay-poison", "account": '  # cut off mid-way
         sends.append(await producer.send(topics["payments"], poison, key=b"acc-00"))
         coupons = with_copies(plan.coupons, rng)
@@ -232,7 +240,7 @@ async def produce(bootstrap: str, topics: dict[str, str], plan: Plan, rng: rando
     finally:
         await producer.stop()
     plan.sent = {
-        "payments": len(payments) + len(replay) + 1,
+        "payments": len(payments) + len(replay) + 2,
         "coupons": len(coupons),
         "notifications": len(notes),
     }
@@ -340,7 +348,7 @@ async def main(args: argparse.Namespace, env: dict[str, str]) -> int:
                 row["payments"] >= len(plan.payments)
                 and row["coupons"] >= len(plan.coupons)
                 and row["delivered"] >= len(plan.notifications)
-                and row["dead"] >= 1
+                and row["dead"] >= 2
             )
 
         await wait_until(all_done, "every message to be applied or dead-lettered", 90)
@@ -493,7 +501,8 @@ async def summarize(
         and not any(doubled.values())
         and statements == 1
         and recon_ok
-        and sum(dead.values()) >= 1
+        and dead["payments"] == 2  # the poison message and the conflicting copy
+        and conflicts["payments"] == 1
     )
     lines.append("RESULT: " + ("zero lost, zero doubled" if ok else "FAILED"))
     return Summary("\n".join(lines), ok)
