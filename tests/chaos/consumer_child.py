@@ -1,0 +1,244 @@
+"""A consumer of the chaos suite, in its own process, with failpoints the driver arms.
+
+    python -m tests.chaos.consumer_child --dsn DSN --bootstrap-servers HOST:PORT \
+        --topic T --group G --holder H [--batch-size N] [--hold SECONDS] \
+        [--session-timeout-ms MS] [--max-poll-interval-ms MS] [--idle-timeout-ms MS]
+
+It runs ``dedup.IdempotentConsumer`` with a batch handler that writes one
+``chaos_effects`` row per applied message: key, partition, offset, and the
+token and holder it ran under.  Every committed batch also leaves a
+``chaos_batches`` row in its own transaction, so the oracle can check the token
+of every transaction that moved an offset, not only of those that applied
+something.
+
+Commands on stdin, one a line, arm a failpoint for the next batch:
+
+``before_commit``  SIGKILL itself after the batch's writes, before COMMIT
+``after_commit``   SIGKILL itself right after COMMIT, before anything else
+``pause``          SIGSTOP itself after the batch's writes (the driver sends SIGCONT)
+``slow SECONDS``   the handler works SECONDS, longer than ``max.poll.interval.ms``
+
+Lines on stdout: ``READY <holder>``, ``FAILPOINT <what> <partition> <offset>
+<token>`` right before it strikes, ``STATS <json>`` on a clean exit (SIGTERM).
+
+``CHAOS_BREAK`` builds a deliberately broken consumer, for the suite's teeth:
+
+``no_fence``      the fence passes whatever the token and the stored offset
+``offset_first``  the offset is stored (and committed) before the batch's writes
+``outside_tx``    the handler writes through its own connection, not ``tx.conn``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import orjson
+
+import dedup
+from dedup import consumer as consumer_
+from dedup import db, store
+
+EFFECTS = """
+CREATE TABLE IF NOT EXISTS chaos_effects (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key         text   NOT NULL,
+    "partition" int    NOT NULL,
+    "offset"    bigint NOT NULL,
+    token       bigint NOT NULL,
+    holder      text   NOT NULL
+);
+CREATE TABLE IF NOT EXISTS chaos_batches (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    "partition"  int    NOT NULL,
+    token        bigint NOT NULL,
+    holder       text   NOT NULL,
+    first_offset bigint NOT NULL,
+    next_offset  bigint NOT NULL
+);
+"""
+"""The business table (no unique key: a message applied twice shows as two rows)
+and the log of committed batches."""
+
+BREAKS = ("no_fence", "offset_first", "outside_tx")
+FENCE = "AND token = $5 AND next_offset IS NOT DISTINCT FROM $6"
+NO_FENCE = "AND $5::bigint = $5::bigint AND $6::bigint IS NOT DISTINCT FROM $6::bigint"
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class Failpoints:
+    """What the driver armed for the next batch."""
+
+    def __init__(self) -> None:
+        self.armed: str | None = None
+        self.slow = 0.0
+
+    def strike(self, when: str, partition: int, offset: int, token: int) -> None:
+        """Kill or stop this process if ``when`` is what was armed."""
+        if self.armed != when and not (when == "before_commit" and self.armed == "pause"):
+            return
+        what, self.armed = self.armed, None
+        say(f"FAILPOINT {what} {partition} {offset} {token}")
+        os.kill(os.getpid(), signal.SIGSTOP if what == "pause" else signal.SIGKILL)
+
+    async def listen(self) -> None:
+        """Read commands from stdin until it closes."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := (await reader.readline()).decode().split():
+            if line[0] == "slow":
+                self.slow = float(line[1])
+            else:
+                self.armed = line[0]
+
+
+def install(failpoints: Failpoints, holder: str, broken: str | None) -> None:
+    """Wrap the consumer's batch transaction: the batch log, the failpoints, a broken build."""
+    real_apply = store.Store.apply
+    real_transaction = consumer_.IdempotentConsumer._transaction
+
+    async def apply(self: store.Store, conn: Any, msgs: Any, **kwargs: Any) -> store.BatchResult:
+        result = await real_apply(self, conn, msgs, **kwargs)
+        fence: store.Fence | None = kwargs.get("fence")
+        if fence is None or result.next_offset is None:
+            return result
+        every = [*msgs, *(d.msg for d in kwargs.get("dead", ()))]
+        first = min(m.offset for m in every)
+        await conn.execute(
+            'INSERT INTO chaos_batches ("partition", token, holder, first_offset, next_offset)'
+            " VALUES ($1, $2, $3, $4, $5)",
+            every[0].partition,
+            fence.token,
+            holder,
+            first,
+            result.next_offset,
+        )
+        failpoints.strike("before_commit", every[0].partition, first, fence.token)
+        return result
+
+    async def transaction(
+        self: consumer_.IdempotentConsumer, tp: Any, part: Any, msgs: Any, dead: Any
+    ) -> None:
+        first = min(m.offset for m in [*msgs, *(d.msg for d in dead)])
+        if broken == "offset_first":
+            # The classic mistake: the offset moves in its own transaction, first.
+            end = max(m.offset for m in [*msgs, *(d.msg for d in dead)]) + 1
+            conn = await self._connection()
+            await conn.execute(
+                "UPDATE dedup.partitions SET next_offset = $1"
+                ' WHERE group_id = $2 AND topic = $3 AND "partition" = $4 AND token = $5',
+                end,
+                self.group_id,
+                tp.topic,
+                tp.partition,
+                part.token,
+            )
+            part.expected = end
+        await real_transaction(self, tp, part, msgs, dead)
+        failpoints.strike("after_commit", tp.partition, first, part.token)
+
+    store.Store.apply = apply  # type: ignore[method-assign]
+    consumer_.IdempotentConsumer._transaction = transaction  # type: ignore[method-assign]
+
+
+async def main(args: argparse.Namespace) -> None:
+    broken = os.environ.get("CHAOS_BREAK") or None
+    if broken not in (None, *BREAKS):
+        raise SystemExit(f"CHAOS_BREAK={broken!r}: expected one of {', '.join(BREAKS)}")
+    failpoints = Failpoints()
+    install(failpoints, args.holder, broken)
+    pool = await db.create_pool(
+        args.dsn,
+        min_size=1,
+        max_size=2,
+        server_settings={
+            "idle_in_transaction_session_timeout": str(args.idle_timeout_ms),
+            "application_name": f"chaos:{args.holder}",
+        },
+    )
+
+    async def handler(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        for m in msgs:
+            if m.json().get("explode"):
+                raise RuntimeError(f"handler bug on {m.idempotency_key}")
+        # The classic mistake of outside_tx: a write that commits on its own.
+        writer = pool if broken == "outside_tx" else tx.conn
+        await writer.execute(
+            'INSERT INTO chaos_effects (key, "partition", "offset", token, holder)'
+            " SELECT k, p, o, $4, $5"
+            " FROM unnest($1::text[], $2::int[], $3::bigint[]) AS x(k, p, o)",
+            [m.idempotency_key for m in msgs],
+            [m.partition for m in msgs],
+            [m.offset for m in msgs],
+            tx.token,
+            args.holder,
+        )
+        if failpoints.slow:
+            seconds, failpoints.slow = failpoints.slow, 0.0
+            say(f"SLOW {msgs[0].partition} {msgs[0].offset} {tx.token} {seconds}")
+            await asyncio.sleep(seconds)  # the handler's slow work, inside the transaction
+        if args.hold:
+            await asyncio.sleep(args.hold)
+
+    consumer = dedup.IdempotentConsumer(
+        handler,
+        topics=[args.topic],
+        group_id=args.group,
+        bootstrap_servers=args.bootstrap_servers,
+        pool=pool,
+        key=dedup.keys.json_field("id"),
+        batch=True,
+        batch_size=args.batch_size,
+        holder=args.holder,
+        auto_offset_reset="earliest",
+        session_timeout_ms=args.session_timeout_ms,
+        heartbeat_interval_ms=max(args.session_timeout_ms // 6, 100),
+        max_poll_interval_ms=args.max_poll_interval_ms,
+        request_timeout_ms=10_000,
+        shutdown_timeout=20.0,
+    )
+    if broken == "no_fence":
+        rendered = consumer.store.queries._rendered
+        if FENCE not in rendered["fence_and_claim"]:
+            raise SystemExit("CHAOS_BREAK=no_fence: the fence condition changed; update FENCE")
+        rendered["fence_and_claim"] = rendered["fence_and_claim"].replace(FENCE, NO_FENCE)
+    listener = asyncio.create_task(failpoints.listen())
+    say(f"READY {args.holder}")
+    try:
+        await consumer.run()
+    finally:
+        listener.cancel()
+        say("STATS " + orjson.dumps(dict(consumer.stats)).decode())
+        await pool.close()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="consumer_child")
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--bootstrap-servers", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--group", required=True)
+    p.add_argument("--holder", required=True)
+    p.add_argument("--batch-size", type=int, default=25)
+    p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--session-timeout-ms", type=int, default=3000)
+    p.add_argument("--max-poll-interval-ms", type=int, default=300_000)
+    p.add_argument("--idle-timeout-ms", type=int, default=4000)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    asyncio.run(main(parse()))

@@ -1,0 +1,120 @@
+"""The figures of chaos runs: a line per run, a table per scenario, the docs' copy of it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.chaos.services import DEFAULT_DIR, ROOT
+
+DOCS = ROOT / "docs" / "reliability.md"
+TABLE_START = "<!-- chaos-table:start -->"
+TABLE_END = "<!-- chaos-table:end -->"
+
+
+@dataclass
+class Result:
+    """What one run of one scenario did and what the oracle found."""
+
+    scenario: str
+    seed: int
+    matrix: str
+    messages: int = 0
+    """Records in the topic (poison and duplicates included), or task runs fired."""
+    faults: int = 0
+    lost: int = 0
+    doubled: int = 0
+    dead_lettered: int = 0
+    stale_refused: int = 0
+    """Batches or task writes the fence turned away (stale_rejected / lease_lost events)."""
+    stale_committed: int = 0
+    """Writes that committed under a token that was no longer current: must be 0."""
+    duplicates: int = 0
+    """Copies suppressed (processed.duplicates)."""
+    recoveries: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    violations: list[str] = field(default_factory=list)
+    broken: str | None = None
+
+    @property
+    def worst_recovery(self) -> float | None:
+        return max(self.recoveries) if self.recoveries else None
+
+    def line(self) -> str:
+        worst = self.worst_recovery
+        return (
+            f"chaos {self.scenario} seed={self.seed}"
+            + (f" broken={self.broken}" if self.broken else "")
+            + f": runs=1 messages={self.messages} faults={self.faults} lost={self.lost}"
+            f" doubled={self.doubled} dead-lettered={self.dead_lettered}"
+            f" stale-refused={self.stale_refused} stale-committed={self.stale_committed}"
+            f" duplicates-suppressed={self.duplicates}"
+            f" worst-recovery={'-' if worst is None else f'{worst:.1f}s'}"
+            f" violations={len(self.violations)} time={self.seconds:.0f}s"
+        )
+
+
+RESULTS: list[Result] = []
+"""Every run of this session (broken builds excluded), for the summary table."""
+
+
+def table(results: list[Result]) -> str:
+    """One Markdown row per scenario, summed over its runs (seeds)."""
+    order: list[str] = []
+    by: dict[str, list[Result]] = {}
+    for r in results:
+        if r.scenario not in by:
+            order.append(r.scenario)
+        by.setdefault(r.scenario, []).append(r)
+    rows = [
+        "| scenario | runs (seeds) | messages | faults | lost | doubled | dead-lettered "
+        "| stale writes refused | stale writes committed | duplicates suppressed "
+        "| worst recovery |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in order:
+        runs = by[name]
+        worst = [w for r in runs if (w := r.worst_recovery) is not None]
+        rows.append(
+            f"| {name} | {len(runs)} ({', '.join(str(r.seed) for r in runs)})"
+            f" | {sum(r.messages for r in runs)} | {sum(r.faults for r in runs)}"
+            f" | {sum(r.lost for r in runs)} | {sum(r.doubled for r in runs)}"
+            f" | {sum(r.dead_lettered for r in runs)} | {sum(r.stale_refused for r in runs)}"
+            f" | {sum(r.stale_committed for r in runs)} | {sum(r.duplicates for r in runs)}"
+            f" | {f'{max(worst):.1f} s' if worst else '-'} |"
+        )
+    return "\n".join(rows)
+
+
+def document(results: list[Result], matrix: str, seconds: float) -> str:
+    """The table with a line that says when, where and how long."""
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    failed = sum(1 for r in results if r.violations)
+    return (
+        f"{table(results)}\n\n"
+        f"Matrix `{matrix}`, {len(results)} runs, {failed} with violations; {seconds / 60:.1f} min "
+        f"on {os.cpu_count()} cores ({platform.machine()}, Python {platform.python_version()}), "
+        f"{when}."
+    )
+
+
+def write(results: list[Result], matrix: str, seconds: float) -> Path:
+    """Write the table to ``CHAOS_REPORT`` (default ``.services/chaos/results.md``)."""
+    path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_DIR / "results.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(document(results, matrix, seconds) + "\n", encoding="utf-8")
+    return path
+
+
+def update_docs(results: list[Result], matrix: str, seconds: float) -> None:
+    """Replace the table between the markers of docs/reliability.md (``make chaos`` does)."""
+    text = DOCS.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"{DOCS} has no {TABLE_START} ... {TABLE_END} block")
+    block = f"{TABLE_START}\n{document(results, matrix, seconds)}\n{TABLE_END}"
+    DOCS.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
