@@ -171,8 +171,19 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     points = [(s, r) for s, r in sweep_points(summary) if r is not None]
     if not points:
         raise SystemExit("no dedup_batch@N arms in these results: nothing to plot")
+    spans = [summary["arms"][f"{arms.SWEEP_PREFIX}{s}"]["msgs_per_s_summary"] for s, _ in points]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot([s for s, _ in points], [r for _, r in points], "o-", label="dedup_batch")
+    ax.errorbar(
+        [s for s, _ in points],
+        [r for _, r in points],
+        yerr=[
+            [r - sp["min"] for (_, r), sp in zip(points, spans, strict=True)],
+            [sp["max"] - r for (_, r), sp in zip(points, spans, strict=True)],
+        ],
+        fmt="o-",
+        capsize=3,
+        label="dedup_batch (median, min-max over rounds)",
+    )
     for ref, style in (("handwritten", "--"), ("naive", ":"), ("raw", "-.")):
         entry = summary["arms"].get(ref)
         if entry and not entry["void"] and entry["msgs_per_s"]:

@@ -90,10 +90,33 @@ async def server_versions(kafka: str, dsn: str) -> dict[str, str]:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             found[dist] = "not installed"
+    found["git"] = git_state()
     kafka_libs = Path.home() / ".cache" / "dedup"
     brokers = sorted(p.name for p in kafka_libs.glob("kafka-*")) if kafka_libs.exists() else []
     found["kafka"] = brokers[-1].removeprefix("kafka-") if brokers else "unknown"
     return found
+
+
+def git_state() -> str:
+    """The checkout measured: commit, plus "+changes" when dedup/ or sql/ differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "dedup", "sql"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}+changes" if dirty else head
 
 
 def run_arm(
