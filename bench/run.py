@@ -136,15 +136,19 @@ def run_arm(
         if profile is not None:
             profile.parent.mkdir(parents=True, exist_ok=True)
             command[1:1] = ["-m", "pyinstrument", "-r", "text", "--show-all", "-o", str(profile)]
-        proc = subprocess.run(
-            command,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=cfg.timeout_s + 60,
-            check=False,
-        )
-        Path(f.name).unlink()
+        try:
+            proc = subprocess.run(
+                command,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=cfg.timeout_s + 60,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return {"arm": cfg.arm, "ok": False, "error": f"killed after {cfg.timeout_s + 60:.0f}s"}
+        finally:
+            Path(f.name).unlink()
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
@@ -218,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         f"run {run_id}: topic {topic}, {args.messages:,} records "
         f"({expected.distinct:,} distinct keys), {args.partitions} partitions"
     )
-    started = time.monotonic()
-    end_offsets = asyncio.run(workload.produce(kafka, topic, args.partitions, records))
-    print(f"filled in {time.monotonic() - started:.1f}s")
-    del records
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in plan}
     try:
+        started = time.monotonic()
+        end_offsets = asyncio.run(workload.produce(kafka, topic, args.partitions, records))
+        print(f"filled in {time.monotonic() - started:.1f}s")
+        del records
         for rnd in range(1, args.rounds + 1):
             for name, size in plan:
                 tag = name.replace("@", "_bs")

@@ -63,10 +63,27 @@ def main(argv: list[str] | None = None) -> int:
     records, expected = workload.generate(args.messages, args.duplicates)
     topic = asyncio.run(workload.create_topic(kafka, args.partitions, prefix="soak"))
     print(f"soak {run_id}: topic {topic}, filling {args.messages:,} records ...", flush=True)
-    started = time.monotonic()
-    end_offsets = asyncio.run(workload.produce(kafka, topic, args.partitions, records))
-    del records
-    print(f"filled in {time.monotonic() - started:.0f}s", flush=True)
+    try:
+        started = time.monotonic()
+        end_offsets = asyncio.run(workload.produce(kafka, topic, args.partitions, records))
+        del records
+        print(f"filled in {time.monotonic() - started:.0f}s", flush=True)
+        samples, result = _soak(args, kafka, admin_dsn, run_id, topic, expected, end_offsets)
+    finally:
+        asyncio.run(workload.delete_topic(kafka, topic))
+    return _verdict(args, samples, result)
+
+
+def _soak(
+    args: argparse.Namespace,
+    kafka: str,
+    admin_dsn: str,
+    run_id: str,
+    topic: str,
+    expected: workload.Workload,
+    end_offsets: dict[str, int],
+) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Run dedup_batch over the topic in a child process; its RSS samples and its result."""
     database = f"soak_{run_id}"
     ready = Path(tempfile.gettempdir()) / f"soak-{run_id}.consuming"
     cfg = arms.Config(
@@ -119,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ready.unlink(missing_ok=True)
         asyncio.run(workload.drop_database(admin_dsn, database))
-        asyncio.run(workload.delete_topic(kafka, topic))
+    return samples, result
 
+
+def _verdict(
+    args: argparse.Namespace, samples: list[dict[str, float]], result: dict[str, Any]
+) -> int:
+    """Judge, print and save the soak; the exit status."""
     series = [s["rss_mb"] for s in samples]
     if len(series) >= 4:
         flat, first, last = stats.rss_flat(series, args.tolerance)
