@@ -328,13 +328,16 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
         self.conn = conn
         self.topic = topic
         self.progress = progress
+        # The loop's transactions and this callback share one connection: take turns.
+        self.lock = asyncio.Lock()
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         return None
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self.progress.assignments += 1
-        stored = dict(await self.conn.fetch(LOAD_OFFSETS, self.topic))
+        async with self.lock:
+            stored = dict(await self.conn.fetch(LOAD_OFFSETS, self.topic))
         for tp in assigned:
             if tp.partition in stored:  # else auto_offset_reset applies
                 self.consumer.seek(tp, stored[tp.partition])
@@ -346,7 +349,8 @@ async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, An
     clock.watch(conn)
     consumer = _consumer(cfg, enable_auto_commit=False)
     progress = Progress(cfg.end_offsets)
-    consumer.subscribe([cfg.topic], listener=_SeekToStored(consumer, conn, cfg.topic, progress))
+    listener = _SeekToStored(consumer, conn, cfg.topic, progress)
+    consumer.subscribe([cfg.topic], listener=listener)
     await consumer.start()
     try:
         while not progress.done:
@@ -356,7 +360,7 @@ async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, An
             records = [r for rs in batches.values() for r in rs]
             decoded = [(r, *_fields(r.value)) for r in records]
             next_offsets = {tp.partition: rs[-1].offset + 1 for tp, rs in batches.items()}
-            async with conn.transaction():
+            async with listener.lock, conn.transaction():
                 fresh = {row[0] for row in await conn.fetch(CLAIM_MANY, [d[1] for d in decoded])}
                 # The first copy of each fresh key (a batch may hold a redelivery too).
                 first = []

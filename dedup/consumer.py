@@ -465,7 +465,9 @@ class IdempotentConsumer:
         }
         if batch == 1 and msgs and msgs[0].key is not None:
             attributes["messaging.kafka.message.key"] = msgs[0].key.decode("utf-8", "replace")
-        links = [link for m in msgs if (link := telemetry.extract_link(m.raw_headers))]
+        links = [
+            link for m in msgs if m.raw_headers and (link := telemetry.extract_link(m.raw_headers))
+        ]
         started = time.perf_counter()
         with telemetry.tracer.start_as_current_span(
             f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links

@@ -32,6 +32,9 @@ BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]
 
 CONFLICT_POLICIES = ("dead_letter", "record")
 
+DUPLICATE_KEYS_SHOWN = 20
+"""How many keys a batch's ``dedup.duplicate`` span event lists (its count has them all)."""
+
 
 def payload_hash(value: bytes) -> bytes:
     """The 16-byte BLAKE2b digest stored with each key to tell duplicates from conflicts."""
@@ -280,10 +283,18 @@ class Store:
                 detail={"offset": msg.offset, **detail},
             )
 
-        # Duplicates are the happy path: counted on the key's row and as span
-        # events, never written here (a replay would double the writes).
-        for m in result.duplicates:
-            telemetry.transition("duplicate", event("duplicate", m).span_attributes())
+        # Duplicates are the happy path: counted on the key's row and in one span
+        # event per batch, never written here (a replay would double the writes).
+        if result.duplicates:
+            telemetry.transition(
+                "duplicate",
+                {
+                    "namespace": self.namespace,
+                    "token": token,
+                    "count": len(result.duplicates),
+                    "keys": [m.idempotency_key for m in result.duplicates[:DUPLICATE_KEYS_SHOWN]],
+                },
+            )
         made = [event("conflict", m) for m in result.conflicts]
         made += [
             event("dead_lettered", d.msg, reason=d.reason, attempts=d.attempts)

@@ -97,9 +97,10 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
         "dedup.conflict",
         "dedup.dead_lettered",
     } <= set(events)
-    duplicate = events["dedup.duplicate"].attributes or {}
+    duplicate = events["dedup.duplicate"].attributes or {}  # one per batch, with the count
     assert duplicate["dedup.namespace"] == f"g-{topic}"
-    assert duplicate["dedup.key"] == "t1"
+    assert duplicate["dedup.count"] == 1
+    assert list(duplicate["dedup.keys"]) == ["t1"]  # type: ignore[arg-type]
     assert duplicate["dedup.token"] == 1
     reasons = [
         str((e.attributes or {})["dedup.reason"])
