@@ -332,7 +332,14 @@ class Watchdog:
             except errors.StaleTokenError as exc:
                 await self._lose(exc)
                 return
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (
+                OSError,
+                TimeoutError,
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                # e.g. the server cut the session (idle in transaction) while we were paused
+                asyncpg.InternalClientError,
+            ) as exc:
                 if loop.time() >= deadline:
                     lost = errors.StaleTokenError(
                         self.lease.resource,

@@ -364,7 +364,13 @@ class TaskRunner:
                         outcome = await self._execute(pool, claimed, job)
                     else:
                         outcome = claimed
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (
+                OSError,
+                TimeoutError,
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                asyncpg.InternalClientError,
+            ) as exc:
                 if not db.is_retriable(exc):
                     raise
                 raise errors.ServiceUnavailableError(
