@@ -345,6 +345,25 @@ class ConsumerRun(Run):
             await consumer.stop()
         return {tp.partition: n for tp, n in end.items()}
 
+    async def diagnose_stall(self) -> None:
+        """Name a partition its owner stopped working on although nobody took it over."""
+        rows = await self.q(
+            lambda p: p.fetch(
+                "SELECT e.resource, e.holder, e.token FROM dedup.events e"
+                " JOIN dedup.partitions p"
+                "   ON e.resource = p.group_id || ':' || p.topic || ':' || p.\"partition\""
+                " WHERE e.kind = 'stale_rejected' AND e.namespace = $1"
+                "   AND e.token = p.token AND e.holder = p.holder",
+                self.group,
+            )
+        )
+        for r in rows:
+            self.violation(
+                f"stalled: {r['holder']} stopped work on {r['resource']} as if a newer holder "
+                f"had taken it, but its token {r['token']} is still the partition's current "
+                "token (a batch retried after a commit whose answer was lost?)"
+            )
+
     async def drain(self, label: str) -> None:
         await self.production_done.wait()
         end = await self.end_offsets()
@@ -354,7 +373,15 @@ class ConsumerRun(Run):
             return all(now.get(p) == n for p, n in end.items())
 
         self.note(f"draining ({label}) to {end}")
-        await helpers.wait_for(caught_up, within=DRAIN_WITHIN, what=f"the group to drain ({label})")
+        try:
+            await helpers.wait_for(
+                caught_up, within=DRAIN_WITHIN, what=f"the group to drain ({label})"
+            )
+        except AssertionError as exc:
+            # Go on to the oracle: it names what was left unapplied.
+            self.violation(str(exc))
+            await self.diagnose_stall()
+            return
         self.note(f"drained ({label})")
 
     # ----------------------------------------------------------- faults --
@@ -408,6 +435,7 @@ class ConsumerRun(Run):
                 await asyncio.wait_for(asyncio.shield(self.recovering), RECOVERY_WITHIN)
             except TimeoutError:
                 self.violation(f"no recovery within {RECOVERY_WITHIN:.0f}s after {f.describe()}")
+                await self.diagnose_stall()
         self.recovering = None
 
     async def _kill_in_batch(self, f: scenarios.Fault, when: str) -> None:

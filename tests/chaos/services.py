@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "compose" / "local"
 SHARED_DIR = ROOT / ".services"
 DEFAULT_DIR = SHARED_DIR / "chaos"
+PORTS = {"postgres/port": 25433, "kafka/port": 29094, "kafka/controller-port": 29095}
+"""Far from 5432/9092: `up` elsewhere scans upwards from those for a free port, and
+would take ours while a fault has our service down (then ours could not come back
+on its port)."""
 
 
 class ServicesError(Exception):
@@ -85,6 +89,11 @@ class ChaosServices:
         directory.mkdir(parents=True, exist_ok=True)
         owner_file = directory / "owner"
         enclosing = _enclosing_owner(owner_file)
+        for name, port in PORTS.items():  # `up` reuses a saved port while it is free
+            service = directory / name.split("/")[0]
+            if not _service_alive(service):
+                service.mkdir(parents=True, exist_ok=True)
+                (directory / name).write_text(f"{port}\n")
         run = subprocess.run(
             [SCRIPTS / "up"],
             env=script_env(directory),
@@ -98,14 +107,8 @@ class ChaosServices:
                 f"compose/local/up with DEDUP_SERVICES_DIR={directory} failed "
                 f"(exit {run.returncode}):\n{run.stderr[-3000:]}"
             )
-        env = read_env(directory / "env")
-        services = cls(
-            directory=directory,
-            bootstrap_servers=env.get("KAFKA_BOOTSTRAP_SERVERS", ""),
-            dsn=env.get("DEDUP_DSN", ""),
-            owner=enclosing is None,
-        )
-        services._check_separate()
+        services = cls(directory=directory, bootstrap_servers="", dsn="", owner=enclosing is None)
+        services._load_addresses()
         if services.owner:
             owner_file.write_text(str(os.getpid()))
         services._ensure_commit_timestamps()
@@ -120,7 +123,11 @@ class ChaosServices:
         )
         (self.directory / "owner").unlink(missing_ok=True)
 
-    def _check_separate(self) -> None:
+    def _load_addresses(self) -> None:
+        """Take the addresses from the env file ``up`` wrote, and check they are ours."""
+        env = read_env(self.directory / "env")
+        self.bootstrap_servers = env.get("KAFKA_BOOTSTRAP_SERVERS", "")
+        self.dsn = env.get("DEDUP_DSN", "")
         if not self.bootstrap_servers or not self.dsn:
             raise ServicesError(f"no addresses in {self.directory / 'env'}")
         shared = read_env(SHARED_DIR / "env")
@@ -215,8 +222,13 @@ class ChaosServices:
         raise ServicesError(f"the crashed postmaster (pid {pid}) did not go away in 30 s")
 
     async def heal(self) -> None:
-        """Start whichever of the pair is down (after a run that failed halfway)."""
+        """Start whichever of the pair is down (after a run that failed halfway).
+
+        A service that came back on another port (its own was taken while it was
+        down) is followed: the next runs use the new address.
+        """
         await self._script("up")
+        self._load_addresses()
 
     async def start_postgres(self) -> None:
         """Start Postgres again (crash recovery runs first)."""
@@ -238,6 +250,14 @@ def pg_bin() -> Path:
     if not found:
         raise ServicesError("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin)")
     return found[-1]
+
+
+def _service_alive(service: Path) -> bool:
+    """Whether the pid ``up`` recorded for a service is alive."""
+    try:
+        return _pid_alive(int((service / "pid").read_text().strip()))
+    except (OSError, ValueError):
+        return False
 
 
 def _enclosing_owner(owner_file: Path) -> int | None:
