@@ -5,6 +5,9 @@
 rerun command runs for real, in its own pytest process, with the one change of
 ``CHAOS_MATRIX=full`` to ``tiny`` so it stays cheap.  The nested session uses
 this session's chaos services and leaves them running.
+
+The table check reads the page as it is on disk: inside ``make chaos`` that is
+the previous run's table (the new one is written when the session ends).
 """
 
 from __future__ import annotations
