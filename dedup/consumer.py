@@ -363,10 +363,23 @@ class IdempotentConsumer:
         delay = 0.1
         while True:
             try:
-                await self._apply_isolating(tp, part, msgs, dead)
-            except errors.StaleTokenError as exc:
-                await self._lose(tp, part, exc)
-                return False
+                try:
+                    await self._apply_isolating(tp, part, msgs, dead)
+                except errors.StaleTokenError as exc:
+                    landed = await self._landed(tp, part)
+                    if landed is None:
+                        await self._lose(tp, part, exc)
+                        return False
+                else:
+                    return True
+                # Our own earlier COMMIT went through though its answer was lost:
+                # carry on from where it left the partition.
+                log.info("%s: a batch committed in doubt had landed; resuming at %d", tp, landed)
+                part.expected = landed
+                msgs = [m for m in msgs if m.offset >= landed]
+                dead = [d for d in dead if d.msg.offset >= landed]
+                if not msgs and not dead:
+                    return True
             except Exception as exc:
                 if not db.is_retriable(exc):
                     raise
@@ -377,8 +390,24 @@ class IdempotentConsumer:
                 if not await self._sleep(delay):
                     return False  # stopping: the batch rolled back and will be redelivered
                 delay = min(delay * 2, MAX_BACKOFF)
-            else:
-                return True
+
+    async def _landed(self, tp: TopicPartition, part: _Partition) -> int | None:
+        """The partition's offset if our token still holds it and it moved past ours.
+
+        A fence fails either because a newer owner took the partition (None) or
+        because a COMMIT of ours succeeded on the server but the answer never
+        came back, so the retry expected the old offset (the new one).
+        """
+        conn = await self._connection()
+        position = await self.store.position(conn, self.group_id, tp.topic, tp.partition)
+        if position is None:
+            return None
+        token, next_offset = position
+        if token != part.token or next_offset is None:
+            return None
+        if part.expected is not None and next_offset <= part.expected:
+            return None
+        return next_offset
 
     async def _apply_isolating(
         self,

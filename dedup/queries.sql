@@ -16,6 +16,12 @@ ON CONFLICT (group_id, topic, "partition") DO UPDATE
    SET token = p.token + 1, holder = EXCLUDED.holder, acquired_at = now(), updated_at = now()
 RETURNING topic, "partition", token, next_offset
 
+-- name: partition_position
+-- Who holds a partition and where its offset stands: after a COMMIT whose answer
+-- was lost, this tells whether the batch landed.
+SELECT token, next_offset FROM {schema}.partitions
+ WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+
 -- name: fence_and_claim
 -- One round trip for steps 1 and 2 of a batch.  The fence moves the partition's
 -- offset only while this token is current and the offset is where this holder

@@ -132,6 +132,13 @@ class Store:
         )
         return taken
 
+    async def position(
+        self, conn: asyncpg.Connection, group_id: str, topic: str, partition: int
+    ) -> tuple[int, int | None] | None:
+        """The partition's current ``(token, next_offset)``, or None if it has no row."""
+        row = await conn.fetchrow(self.queries.partition_position, group_id, topic, partition)
+        return None if row is None else (row["token"], row["next_offset"])
+
     async def apply(
         self,
         conn: asyncpg.Connection,

@@ -13,11 +13,13 @@ import random
 import signal
 from typing import Any
 
+import asyncpg
 import orjson
 import pytest
+from asyncpg import transaction as asyncpg_transaction
 
 import dedup
-from dedup import db
+from dedup import db, store
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support
@@ -223,6 +225,60 @@ async def test_backend_killed_mid_transaction_is_retried_without_loss(
         await own.close()
     assert await support.effect_counts(pool) == (300, 300)
     assert consumer.stats["retries"] >= 3, "each killed transaction was retried"
+
+
+async def test_a_commit_whose_answer_was_lost_does_not_stall_the_partition(
+    bootstrap_servers: str, topics: Topics, pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """COMMIT succeeds on the server, the connection drops before the answer comes back.
+
+    The retry's fence then finds the offset moved by our own token: the consumer
+    must see that the batch landed and go on, not take itself for a stale owner.
+    """
+    topic = await topics.create(partitions=1)
+    await pool.execute(support.EFFECTS)
+    in_batch, lost = [], []
+    real_apply = store.Store.apply
+    real_exit = asyncpg_transaction.Transaction.__aexit__
+
+    async def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        in_batch.append(True)  # the transaction now open is a batch's
+        return await real_apply(self, *args, **kwargs)
+
+    async def commit_then_lose_the_answer(self: Any, *exc_info: Any) -> Any:
+        done = await real_exit(self, *exc_info)
+        if exc_info[0] is None and in_batch and not lost:
+            lost.append(True)
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed mid-operation")
+        return done
+
+    monkeypatch.setattr(store.Store, "apply", apply)
+    monkeypatch.setattr(asyncpg_transaction.Transaction, "__aexit__", commit_then_lose_the_answer)
+    consumer = dedup.IdempotentConsumer(
+        support.record_effects,
+        topics=[topic],
+        group_id=f"g-{topic}",
+        bootstrap_servers=bootstrap_servers,
+        pool=pool,
+        key=dedup.keys.json_field("id"),
+        auto_offset_reset="earliest",
+        install_signal_handlers=False,
+    )
+    async with support.running(consumer):
+        await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(10)])
+        await helpers.wait_for(lambda: _all_applied(pool, 10), within=30, what="the first 10")
+        await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(10, 20)])
+        await helpers.wait_for(
+            lambda: _all_applied(pool, 20), within=30, what="the partition to go on after it"
+        )
+    assert lost, "the fault was injected"
+    assert await support.effect_counts(pool) == (20, 20)
+    assert consumer.stats["stale"] == 0, "our own commit is not a newer owner's"
+    assert consumer.stats["retries"] >= 1
+    stored = await pool.fetchval(
+        'SELECT next_offset FROM dedup.partitions WHERE topic = $1 AND "partition" = 0', topic
+    )
+    assert stored == 20
 
 
 async def _all_applied(pool: Any, n: int) -> bool:
