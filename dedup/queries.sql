@@ -29,7 +29,7 @@ SELECT token, next_offset FROM {schema}.partitions
 -- duplicate (same payload hash) or conflict (different hash) counted instead.
 -- $1 group, $2 topic, $3 partition, $4 new next_offset, $5 token (NULL: no fence,
 -- for wrap()), $6 expected next_offset, $7 namespace, $8 keys, $9 offsets,
--- $10 payload hashes, $11 copies seen in this batch, $12 conflicting copies.
+-- $10 payload hashes.
 WITH fence AS (
     UPDATE {schema}.partitions
        SET next_offset = $4, updated_at = now()
@@ -38,23 +38,28 @@ WITH fence AS (
     RETURNING 1
 ), claim AS (
     INSERT INTO {schema}.processed AS p
-        (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash,
-         duplicates, conflicts, last_duplicate_at)
-    SELECT $7, k, $2, $3, o, $5, h, d, c, CASE WHEN d + c > 0 THEN now() END
-      FROM unnest($8::text[], $9::bigint[], $10::bytea[], $11::int[], $12::int[])
-           AS x(k, o, h, d, c)
+        (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
+    SELECT $7, k, $2, $3, o, $5, h
+      FROM unnest($8::text[], $9::bigint[], $10::bytea[]) AS x(k, o, h)
      WHERE $5::bigint IS NULL OR EXISTS (SELECT FROM fence)
     ON CONFLICT (namespace, idempotency_key) DO UPDATE
-       SET duplicates = p.duplicates + EXCLUDED.duplicates
-                        + (p.payload_hash = EXCLUDED.payload_hash)::int,
-           conflicts = p.conflicts + EXCLUDED.conflicts
-                       + (p.payload_hash <> EXCLUDED.payload_hash)::int,
+       SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
+           conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
            last_duplicate_at = now()
     RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
               p.topic, p."partition", p."offset"
 )
 SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
   FROM (SELECT) AS one LEFT JOIN claim ON true
+
+-- name: count_copies
+-- Further copies of a key inside one batch, once each was classified against
+-- the stored payload hash.  $1 namespace, $2 keys, $3 duplicates, $4 conflicts.
+UPDATE {schema}.processed AS p
+   SET duplicates = p.duplicates + x.d, conflicts = p.conflicts + x.c,
+       last_duplicate_at = now()
+  FROM unnest($2::text[], $3::int[], $4::int[]) AS x(k, d, c)
+ WHERE p.namespace = $1 AND p.idempotency_key = x.k
 
 -- name: dead_letter
 -- Rare, so one row per statement (sent pipelined with executemany).

@@ -158,20 +158,13 @@ class Store:
         """
         result = BatchResult(dead_letters=list(dead))
         first: dict[str, tuple[message_.Message, bytes]] = {}
-        copies: dict[str, list[int]] = {}  # key -> [duplicates, conflicts] inside this batch
+        copies: list[tuple[message_.Message, bytes]] = []  # later copies inside this batch
         for msg in msgs:
             digest = payload_hash(msg.value)
-            seen = first.get(msg.idempotency_key)
-            if seen is None:
-                first[msg.idempotency_key] = (msg, digest)
-                continue
-            counts = copies.setdefault(msg.idempotency_key, [0, 0])
-            if seen[1] == digest:
-                counts[0] += 1
-                result.duplicates.append(msg)
+            if msg.idempotency_key in first:
+                copies.append((msg, digest))
             else:
-                counts[1] += 1
-                self._conflict(result, msg, seen[0].where)
+                first[msg.idempotency_key] = (msg, digest)
 
         offsets = [m.offset for m in msgs] + [d.msg.offset for d in dead]
         if not offsets:
@@ -193,14 +186,14 @@ class Store:
             keys,
             [first[k][0].offset for k in keys],
             [first[k][1] for k in keys],
-            [copies.get(k, (0, 0))[0] for k in keys],
-            [copies.get(k, (0, 0))[1] for k in keys],
         )
         if fence is not None and rows[0]["fenced"] == 0:
             raise errors.StaleTokenError(
                 f"{fence.group_id}:{any_msg.topic}:{any_msg.partition}", fence.token
             )
 
+        # What each key now holds: its payload hash and where that payload came from.
+        stored: dict[str, tuple[bytes, str]] = {}
         for row in rows:
             key = row["idempotency_key"]
             if key is None:  # the batch had no keys to claim, only dead letters
@@ -208,11 +201,15 @@ class Store:
             msg, digest = first[key]
             if row["fresh"]:
                 result.applied.append(msg)
-            elif row["payload_hash"] == digest:
-                result.duplicates.append(msg)
-            else:
-                original = f"{row['topic']}:{row['partition']}:{row['offset']}"
-                self._conflict(result, msg, original)
+                stored[key] = (digest, msg.where)
+                continue
+            stored[key] = (
+                row["payload_hash"],
+                f"{row['topic']}:{row['partition']}:{row['offset']}",
+            )
+            self._classify(result, msg, digest, stored[key])
+        if copies:
+            await self._count_copies(conn, result, copies, stored)
         result.applied.sort(key=lambda m: m.offset)
         # Per batch, not per message: a span event per message would cost more
         # than the rest of the happy path.
@@ -233,6 +230,42 @@ class Store:
             await self._dead_letter(conn, result.dead_letters, fence, group_id)
         await events.record(conn, self.schema_name, self._events(result, fence))
         return result
+
+    def _classify(
+        self,
+        result: BatchResult,
+        msg: message_.Message,
+        digest: bytes,
+        stored: tuple[bytes, str],
+    ) -> bool:
+        """File a copy of a claimed key as a duplicate or a conflict; True if a duplicate."""
+        stored_digest, original = stored
+        if digest == stored_digest:
+            result.duplicates.append(msg)
+            return True
+        self._conflict(result, msg, original)
+        return False
+
+    async def _count_copies(
+        self,
+        conn: asyncpg.Connection,
+        result: BatchResult,
+        copies: list[tuple[message_.Message, bytes]],
+        stored: dict[str, tuple[bytes, str]],
+    ) -> None:
+        """Classify the batch's further copies of a key and count them on its row."""
+        counts: dict[str, list[int]] = {}  # key -> [duplicates, conflicts]
+        for msg, digest in copies:
+            duplicate = self._classify(result, msg, digest, stored[msg.idempotency_key])
+            counts.setdefault(msg.idempotency_key, [0, 0])[0 if duplicate else 1] += 1
+        keys = sorted(counts)
+        await conn.execute(
+            self.queries.count_copies,
+            self.namespace,
+            keys,
+            [counts[k][0] for k in keys],
+            [counts[k][1] for k in keys],
+        )
 
     def _conflict(self, result: BatchResult, msg: message_.Message, original: str) -> None:
         result.conflicts.append(msg)

@@ -350,11 +350,6 @@ class Messages:
         self.partitions = partitions
         self._rng = rng_for(scenario.name, seed, "messages")
         self._sent: list[Send] = []  # plain records, for later duplicates and conflicts
-        # Keys that got a conflicting copy get no later duplicates; see the report of
-        # issue 8: dedup.store.apply compares an in-batch copy with the first copy of
-        # the batch, so a plain duplicate behind a conflicting copy would be
-        # dead-lettered as a conflict.
-        self._conflicted: set[bytes] = set()
         self._i = 0
 
     def next(self) -> list[Send]:
@@ -368,11 +363,10 @@ class Messages:
         roll -= t.poison
         if roll < t.later_duplicates and len(self._sent) > 20:
             old = rng.choice(self._sent[:-10])
-            if old.key not in self._conflicted:
-                other = None
-                if rng.random() < 0.5:
-                    other = rng.randrange(self.partitions)
-                return [Send(old.key, old.value, (*old.headers, seq), other)]
+            other = None
+            if rng.random() < 0.5:
+                other = rng.randrange(self.partitions)
+            return [Send(old.key, old.value, (*old.headers, seq), other)]
         roll -= t.later_duplicates
         key = f"k{i}"
         body = {"id": key, "n": i, "amount": rng.randint(1, 100_000)}
@@ -389,7 +383,6 @@ class Messages:
             old = self._rng.choice(self._sent[:-10])
             body = orjson.loads(old.value)
             body.update(amount=body["amount"] + 1, conflict=True)
-            self._conflicted.add(old.key or b"")
             return Send(old.key, orjson.dumps(body), headers)
         if kind == "bad_json":
             return Send(f"b{i}".encode(), b'{"id": "b' + str(i).encode() + b'", ', headers)

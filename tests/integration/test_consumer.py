@@ -138,6 +138,36 @@ async def test_same_key_different_payload_is_a_conflict_and_dead_lettered(
     assert [r["kind"] for r in kinds] == ["conflict", "dead_lettered"]
 
 
+async def test_copies_in_one_batch_are_judged_against_the_stored_payload(
+    mode: dict[str, Any], bootstrap_servers: str, topics: Topics, pool: Any
+) -> None:
+    # c1 is applied first; then a batch holds a changed copy, an exact copy of
+    # what was applied, and the changed copy again.  Compared with the stored
+    # payload (not with the batch's first copy) that is conflict, duplicate,
+    # conflict.
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    await helpers.produce(bootstrap_servers, topic, [(None, payment("c1", 10))])
+    first = make_consumer(mode, topic, bootstrap_servers, pool)
+    async with support.running(first):
+        await helpers.wait_for(lambda: _handled(first, 1), what="the original")
+    copies = [payment("c1", 99), payment("c1", 10), payment("c1", 99)]
+    await helpers.produce(bootstrap_servers, topic, [(None, value) for value in copies])
+    second = make_consumer(mode, topic, bootstrap_servers, pool)
+    async with support.running(second):
+        await helpers.wait_for(lambda: _handled(second, 3), what="the three copies")
+
+    assert (second.stats["conflicts"], second.stats["duplicates"]) == (2, 1)
+    row = await pool.fetchrow(
+        "SELECT conflicts, duplicates FROM dedup.processed WHERE idempotency_key = 'c1'"
+    )
+    assert (row["conflicts"], row["duplicates"]) == (2, 1)
+    letters = await pool.fetch('SELECT "offset", reason FROM dedup.dead_letters ORDER BY 1')
+    assert [r["offset"] for r in letters] == [1, 3]
+    assert all(f"from {topic}:0:0 " in r["reason"] for r in letters)
+    assert await support.effect_counts(pool) == (1, 1)
+
+
 async def test_poison_messages_are_dead_lettered_whole_and_the_partition_moves_on(
     mode: dict[str, Any], bootstrap_servers: str, topics: Topics, pool: Any
 ) -> None:
