@@ -6,6 +6,10 @@ offset lives in Postgres in that same transaction.  Kafka offsets are committed
 afterwards, every ``kafka_commit_interval`` seconds, for lag tools only: on
 assignment the consumer seeks to the offset stored in Postgres.
 
+Partitions are independent, so up to ``concurrency`` of them run their
+transactions at once, each on a connection of its own (a *lane*); a partition's
+batches stay in offset order on one lane.
+
 Failure handling, in order of preference:
 
 - a transient error (lost connection, serialization failure, deadlock, broker
@@ -45,6 +49,7 @@ from dedup import message as message_
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 500
+DEFAULT_CONCURRENCY = 4
 DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
 """The ``idempotency-key`` header if present, else the Kafka record key."""
 
@@ -68,6 +73,27 @@ _AIOKAFKA_OPTIONS = frozenset(inspect.signature(aiokafka.AIOKafkaConsumer.__init
     "self",
     "topics",
 }
+
+
+class _Lane:
+    """A connection of the consumer's, kept from one transaction to the next."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._conn: asyncpg.Connection | None = None
+
+    async def connection(self) -> asyncpg.Connection:
+        if self._conn is None or not _usable(self._conn):
+            await self.release()
+            self._conn = await self._pool.acquire()
+        return self._conn
+
+    async def release(self) -> None:
+        """Give the connection back (after a transient failure: start again on a fresh one)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn, timeout=5)
 
 
 @dataclass(slots=True)
@@ -137,6 +163,7 @@ class IdempotentConsumer:
         key: keys.Strategy = DEFAULT_KEY,
         namespace: str | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
         batch: bool | None = None,
         schema: str = "dedup",
         holder: str | None = None,
@@ -156,6 +183,8 @@ class IdempotentConsumer:
             raise errors.ConfigurationError("group_id must be set")
         if not 1 <= batch_size <= 100_000:
             raise errors.ConfigurationError(f"batch_size={batch_size}: expected 1 to 100000")
+        if not 1 <= concurrency <= 64:
+            raise errors.ConfigurationError(f"concurrency={concurrency}: expected 1 to 64")
         if max_attempts < 1:
             raise errors.ConfigurationError(f"max_attempts={max_attempts}: expected 1 or more")
         if on_missing_key not in ("dead_letter", "offset"):
@@ -180,6 +209,7 @@ class IdempotentConsumer:
         self.bootstrap_servers = bootstrap_servers
         self.namespace = namespace or group_id
         self.batch_size = batch_size
+        self.concurrency = concurrency
         self.batch_handler = _is_batch_handler(handler) if batch is None else batch
         self.holder = holder or _default_holder()
         self.key = key
@@ -202,7 +232,8 @@ class IdempotentConsumer:
         self._stopped = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._kafka: Any = None
-        self._conn: asyncpg.Connection | None = None
+        self._lanes: list[_Lane] = []
+        self._idle: asyncio.Queue[_Lane] = asyncio.Queue()
         self._last_kafka_commit = 0.0
         self._database = ""
 
@@ -264,7 +295,15 @@ class IdempotentConsumer:
 
     async def _start(self) -> None:
         if self._dsn is not None:
-            self._pool = await db.create_pool(self._dsn, min_size=1, max_size=2)
+            self._pool = await db.create_pool(self._dsn, min_size=1, max_size=self.concurrency)
+        # A lane keeps its connection while the consumer runs.  In a pool of the
+        # caller's, one connection stays free for the caller's own code.
+        lanes = self.concurrency
+        if not self._own_pool:
+            lanes = max(1, min(lanes, _pool_size(self._pool) - 1))
+        self._lanes = [_Lane(self._pool) for _ in range(lanes)]
+        for lane in self._lanes:
+            self._idle.put_nowait(lane)
         await self._check_schema()
         self._database = await self._pool.fetchval("SELECT current_database()")
         self._kafka = aiokafka.AIOKafkaConsumer(
@@ -306,7 +345,8 @@ class IdempotentConsumer:
             # Leaving the group revokes our partitions (the listener needs the DB).
             await self._kafka.stop()
             self._kafka = None
-        await self._release_connection()
+        for lane in self._lanes:
+            await lane.release()
         if self._own_pool and self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -316,44 +356,60 @@ class IdempotentConsumer:
 
     async def _poll_once(self) -> None:
         try:
-            # Up to a full batch per partition held: one getmany then fills every
-            # partition's transaction.  aiokafka's fetch buffers bound the memory.
-            fetched = await self._kafka.getmany(
-                timeout_ms=250, max_records=self.batch_size * max(1, len(self._owned))
-            )
+            fetched = await self._kafka.getmany(timeout_ms=250, max_records=self.batch_size)
+            # getmany fills max_records from one partition after another; ask each
+            # other partition for what the fetcher already holds, so that every
+            # lane has a batch.  aiokafka's fetch buffers bound the memory.
+            if fetched and len(self._lanes) > 1:
+                for tp in self._owned.keys() - fetched.keys():
+                    fetched.update(
+                        await self._kafka.getmany(tp, timeout_ms=0, max_records=self.batch_size)
+                    )
         except aiokafka.errors.KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise
             log.warning("kafka fetch failed, retrying: %r", exc)
             await self._sleep(1.0)
             return
-        for tp, records in fetched.items():
-            if self._stopping.is_set():
-                break
-            await self._process_partition(tp, records)
+        # A rebalance waits (self._work) until every partition's batch in flight
+        # has committed or rolled back.
+        async with self._work:
+            if len(fetched) == 1 or len(self._lanes) == 1:
+                for tp, records in fetched.items():
+                    await self._process_partition(tp, records)
+            else:
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        for tp, records in fetched.items():
+                            group.create_task(self._process_partition(tp, records))
+                except BaseExceptionGroup as failed:
+                    raise failed.exceptions[0] from None
         await self._commit_kafka()
 
     async def _process_partition(self, tp: TopicPartition, records: Sequence[Any]) -> None:
-        async with self._work:
-            part = self._owned.get(tp)
-            if part is None:  # revoked, or lost to a newer token, since the fetch
-                return
-            floor = part.expected if part.expected is not None else -1
-            msgs = [message_.Message.from_record(r) for r in records if r.offset >= floor]
+        part = self._owned.get(tp)
+        if part is None or self._stopping.is_set():  # revoked or lost since the fetch
+            return
+        floor = part.expected if part.expected is not None else -1
+        msgs = [message_.Message.from_record(r) for r in records if r.offset >= floor]
+        lane = await self._idle.get()
+        try:
             for start in range(0, len(msgs), self.batch_size):
-                chunk = msgs[start : start + self.batch_size]
                 keyed, dead = [], []
-                for msg in chunk:
+                for msg in msgs[start : start + self.batch_size]:
                     letter = _take_key(self.key, self.on_missing_key, msg)
                     if letter is None:
                         keyed.append(msg)
                     else:
                         dead.append(letter)
-                if not await self._apply_retrying(tp, part, keyed, dead):
+                if not await self._apply_retrying(lane, tp, part, keyed, dead):
                     return
+        finally:
+            self._idle.put_nowait(lane)
 
     async def _apply_retrying(
         self,
+        lane: _Lane,
         tp: TopicPartition,
         part: _Partition,
         msgs: list[message_.Message],
@@ -364,11 +420,11 @@ class IdempotentConsumer:
         while True:
             try:
                 try:
-                    await self._apply_isolating(tp, part, msgs, dead)
+                    await self._apply_isolating(lane, tp, part, msgs, dead)
                 except errors.StaleTokenError as exc:
-                    landed = await self._landed(tp, part)
+                    landed = await self._landed(lane, tp, part)
                     if landed is None:
-                        await self._lose(tp, part, exc)
+                        await self._lose(lane, tp, part, exc)
                         return False
                 else:
                     return True
@@ -386,19 +442,19 @@ class IdempotentConsumer:
                 self._stats["retries"] += 1
                 telemetry.transition("retried", {"error": store.describe(exc)})
                 log.warning("batch of %s failed (%r); retrying in %.1fs", tp, exc, delay)
-                await self._reset_connection()
+                await lane.release()
                 if not await self._sleep(delay):
                     return False  # stopping: the batch rolled back and will be redelivered
                 delay = min(delay * 2, MAX_BACKOFF)
 
-    async def _landed(self, tp: TopicPartition, part: _Partition) -> int | None:
+    async def _landed(self, lane: _Lane, tp: TopicPartition, part: _Partition) -> int | None:
         """The partition's offset if our token still holds it and it moved past ours.
 
         A fence fails either because a newer owner took the partition (None) or
         because a COMMIT of ours succeeded on the server but the answer never
         came back, so the retry expected the old offset (the new one).
         """
-        conn = await self._connection()
+        conn = await lane.connection()
         position = await self.store.position(conn, self.group_id, tp.topic, tp.partition)
         if position is None:
             return None
@@ -411,13 +467,14 @@ class IdempotentConsumer:
 
     async def _apply_isolating(
         self,
+        lane: _Lane,
         tp: TopicPartition,
         part: _Partition,
         msgs: list[message_.Message],
         dead: list[store.DeadLetter],
     ) -> None:
         """Apply a batch; on a handler error, split it to find and dead-letter the culprit."""
-        failure = await self._try_transaction(tp, part, msgs, dead)
+        failure = await self._try_transaction(lane, tp, part, msgs, dead)
         if failure is None:
             return
         if len(msgs) > 1:
@@ -426,10 +483,10 @@ class IdempotentConsumer:
             split_at = right[0].offset
             log.info("handler failed on a batch of %d from %s; splitting", len(msgs), tp)
             await self._apply_isolating(
-                tp, part, left, [d for d in dead if d.msg.offset < split_at]
+                lane, tp, part, left, [d for d in dead if d.msg.offset < split_at]
             )
             await self._apply_isolating(
-                tp, part, right, [d for d in dead if d.msg.offset >= split_at]
+                lane, tp, part, right, [d for d in dead if d.msg.offset >= split_at]
             )
             return
         msg = msgs[0]
@@ -437,7 +494,7 @@ class IdempotentConsumer:
             self._stats["retries"] += 1
             telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": attempt})
             await self._sleep(min(0.05 * 2**attempt, MAX_BACKOFF))
-            failure = await self._try_transaction(tp, part, [msg], dead)
+            failure = await self._try_transaction(lane, tp, part, [msg], dead)
             if failure is None:
                 return
         log.warning(
@@ -452,10 +509,11 @@ class IdempotentConsumer:
             error=store.describe(failure),
             attempts=self.max_attempts,
         )
-        await self._transaction(tp, part, [], [*dead, letter])
+        await self._transaction(lane, tp, part, [], [*dead, letter])
 
     async def _try_transaction(
         self,
+        lane: _Lane,
         tp: TopicPartition,
         part: _Partition,
         msgs: list[message_.Message],
@@ -463,7 +521,7 @@ class IdempotentConsumer:
     ) -> Exception | None:
         """Run one transaction; return the handler's error, raise anything retriable or stale."""
         try:
-            await self._transaction(tp, part, msgs, dead)
+            await self._transaction(lane, tp, part, msgs, dead)
         except errors.StaleTokenError:
             raise
         except Exception as exc:
@@ -474,6 +532,7 @@ class IdempotentConsumer:
 
     async def _transaction(
         self,
+        lane: _Lane,
         tp: TopicPartition,
         part: _Partition,
         msgs: list[message_.Message],
@@ -501,7 +560,7 @@ class IdempotentConsumer:
         with telemetry.tracer.start_as_current_span(
             f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links
         ):
-            conn = await self._connection()
+            conn = await lane.connection()
             with telemetry.client_span(
                 f"BATCH {self.store.schema_name}.processed",
                 {
@@ -564,7 +623,7 @@ class IdempotentConsumer:
             delay = 0.1
             while True:
                 try:
-                    conn = await self._connection()
+                    conn = await self._lanes[0].connection()  # no batch runs now
                     async with conn.transaction():
                         await conn.execute(f"SET LOCAL lock_timeout = '{TAKEOVER_LOCK_TIMEOUT}'")
                         taken = await self.store.take_partitions(
@@ -576,7 +635,7 @@ class IdempotentConsumer:
                         raise
                     self._stats["retries"] += 1
                     log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
-                    await self._reset_connection()
+                    await self._lanes[0].release()
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, MAX_BACKOFF)
             for tp in assigned:
@@ -601,7 +660,7 @@ class IdempotentConsumer:
             log.info("consumer %s gave up %s", self.holder, [str(tp) for tp, _ in gone])
 
     async def _lose(
-        self, tp: TopicPartition, part: _Partition, exc: errors.StaleTokenError
+        self, lane: _Lane, tp: TopicPartition, part: _Partition, exc: errors.StaleTokenError
     ) -> None:
         """A newer owner holds ``tp``: stop working on it until Kafka assigns it to us again."""
         self._owned.pop(tp, None)
@@ -622,7 +681,7 @@ class IdempotentConsumer:
             with telemetry.tracer.start_as_current_span(
                 "dedup stale", attributes={"messaging.consumer.group.name": self.group_id}
             ):
-                conn = await self._connection()
+                conn = await lane.connection()
                 await events.record(conn, self.store.schema_name, [event])
         except Exception as record_exc:
             if not db.is_retriable(record_exc):
@@ -653,22 +712,6 @@ class IdempotentConsumer:
 
     # ------------------------------------------------------------- plumbing --
 
-    async def _connection(self) -> asyncpg.Connection:
-        if self._conn is None or not _usable(self._conn):
-            await self._release_connection()
-            self._conn = await self._pool.acquire()
-        return self._conn
-
-    async def _release_connection(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and self._pool is not None:
-            with contextlib.suppress(Exception):
-                await self._pool.release(conn, timeout=5)
-
-    async def _reset_connection(self) -> None:
-        """After a transient failure: start again on a fresh connection."""
-        await self._release_connection()
-
     async def _sleep(self, seconds: float) -> bool:
         """Sleep unless asked to stop; True if the full time passed."""
         try:
@@ -676,6 +719,12 @@ class IdempotentConsumer:
         except TimeoutError:
             return True
         return False
+
+
+def _pool_size(pool: Any) -> int:
+    """How many connections ``pool`` may open (asyncpg pools say; others count as two)."""
+    get_max_size = getattr(pool, "get_max_size", None)
+    return int(get_max_size()) if get_max_size is not None else 2
 
 
 def _usable(conn: asyncpg.Connection) -> bool:

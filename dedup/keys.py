@@ -41,6 +41,8 @@ def json_field(*paths: str) -> Strategy:
     if not paths:
         raise errors.ConfigurationError("json_field needs at least one dotted path")
     split = [(path, path.split(".")) for path in paths]
+    if len(paths) == 1 and "." not in paths[0]:
+        return _top_level_field(paths[0])
 
     def from_json(msg: message_.Message) -> str | None:
         try:
@@ -48,6 +50,22 @@ def json_field(*paths: str) -> Strategy:
         except orjson.JSONDecodeError as exc:
             raise errors.KeyExtractionError(f"invalid JSON: {exc}") from exc
         return SEPARATOR.join(_scalar(_lookup(doc, path, parts), path) for path, parts in split)
+
+    return from_json
+
+
+def _top_level_field(name: str) -> Strategy:
+    """``json_field(name)`` for one top-level field: the common case, on the hot path."""
+
+    def from_json(msg: message_.Message) -> str | None:
+        try:
+            doc = msg.json()
+        except orjson.JSONDecodeError as exc:
+            raise errors.KeyExtractionError(f"invalid JSON: {exc}") from exc
+        value = doc.get(name) if type(doc) is dict else None
+        if type(value) is str:
+            return value
+        return _scalar(_lookup(doc, name, [name]), name)
 
     return from_json
 

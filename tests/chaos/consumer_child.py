@@ -127,13 +127,13 @@ def install(failpoints: Failpoints, holder: str, broken: str | None) -> None:
         return result
 
     async def transaction(
-        self: consumer_.IdempotentConsumer, tp: Any, part: Any, msgs: Any, dead: Any
+        self: consumer_.IdempotentConsumer, lane: Any, tp: Any, part: Any, msgs: Any, dead: Any
     ) -> None:
         first = min(m.offset for m in [*msgs, *(d.msg for d in dead)])
         if broken == "offset_first":
             # The classic mistake: the offset moves in its own transaction, first.
             end = max(m.offset for m in [*msgs, *(d.msg for d in dead)]) + 1
-            conn = await self._connection()
+            conn = await lane.connection()
             await conn.execute(
                 "UPDATE dedup.partitions SET next_offset = $1"
                 ' WHERE group_id = $2 AND topic = $3 AND "partition" = $4 AND token = $5',
@@ -144,7 +144,7 @@ def install(failpoints: Failpoints, holder: str, broken: str | None) -> None:
                 part.token,
             )
             part.expected = end
-        await real_transaction(self, tp, part, msgs, dead)
+        await real_transaction(self, lane, tp, part, msgs, dead)
         failpoints.strike("after_commit", tp.partition, first, part.token)
 
     store.Store.apply = apply  # type: ignore[method-assign]
@@ -160,7 +160,7 @@ async def main(args: argparse.Namespace) -> None:
     pool = await db.create_pool(
         args.dsn,
         min_size=1,
-        max_size=2,
+        max_size=consumer_.DEFAULT_CONCURRENCY + 1,  # a lane per partition in flight, one spare
         server_settings={
             "idle_in_transaction_session_timeout": str(args.idle_timeout_ms),
             "application_name": f"chaos:{args.holder}",

@@ -6,6 +6,7 @@ the batch handler and the default batch size, as the issue asks.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -244,3 +245,45 @@ async def _rewind_kafka(bootstrap_servers: str, group: str, topic: str) -> None:
         await consumer.commit({tp: 0})
     finally:
         await consumer.stop()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+async def test_partitions_run_side_by_side_each_in_offset_order(
+    concurrency: int, bootstrap_servers: str, topics: Topics, pool: Any
+) -> None:
+    topic = await topics.create(partitions=4)
+    await pool.execute(support.EFFECTS)
+    in_flight, peak = 0, 0
+
+    async def slow(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await support.record_effects(msgs, tx)
+            await asyncio.sleep(0.05)  # a handler that takes a while, as real ones do
+        finally:
+            in_flight -= 1
+
+    for part in range(4):
+        records = [(None, payment(f"p{part}-{i}")) for i in range(50)]
+        await helpers.produce(bootstrap_servers, topic, records, partition=part)
+    consumer = make_consumer(
+        {"handler": slow, "batch_size": 10, "concurrency": concurrency},
+        topic,
+        bootstrap_servers,
+        pool,
+    )
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: _handled(consumer, 200), what="all 200")
+
+    assert await support.effect_counts(pool) == (200, 200)
+    if concurrency == 1:
+        assert peak == 1
+    else:
+        assert 2 <= peak <= concurrency
+    # Within a partition, effects were written in offset order (ids grow with offsets).
+    rows = await pool.fetch('SELECT "partition", "offset" FROM effects ORDER BY id')
+    for part in range(4):
+        offsets = [r["offset"] for r in rows if r["partition"] == part]
+        assert offsets == sorted(offsets) == list(range(50))

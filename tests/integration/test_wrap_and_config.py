@@ -92,6 +92,7 @@ def consumer_with(**overrides: Any) -> dedup.IdempotentConsumer:
     [
         ({"schema": "Robert'); DROP TABLE x;--"}, "invalid schema name"),
         ({"batch_size": 0}, "batch_size=0"),
+        ({"concurrency": 0}, "concurrency=0"),
         ({"on_conflict": "ignore"}, "on_conflict='ignore'"),
         ({"on_missing_key": "skip"}, "on_missing_key='skip'"),
         ({"enable_auto_commit": True}, "enable_auto_commit=True"),

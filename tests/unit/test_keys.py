@@ -35,6 +35,31 @@ def test_json_field_says_why_there_is_no_key(value: bytes, reason: str) -> None:
         keys.extract(keys.json_field("id"), msg(value))
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=6,
+)
+
+
+@given(doc=st.dictionaries(st.sampled_from(["id", "x"]), json_values) | json_values)
+def test_one_top_level_field_gives_what_the_dotted_path_lookup_gives(doc: object) -> None:
+    # json_field("id") has a fast path; json_field("id", "id") takes the general one.
+    value = orjson.dumps(doc)
+
+    def outcome(strategy: keys.Strategy) -> str:
+        try:
+            return keys.extract(strategy, msg(value))
+        except dedup.KeyExtractionError as exc:
+            return f"error: {exc}"
+
+    fast, general = outcome(keys.json_field("id")), outcome(keys.json_field("id", "id"))
+    if general.startswith("error: "):
+        assert fast == general
+    else:
+        assert f"{fast}:{fast}" == general
+
+
 def test_header_kafka_key_and_offset() -> None:
     m = msg(key=b"k-1", **{"idempotency-key": b"abc"})
     assert keys.header("idempotency-key")(m) == "abc"
