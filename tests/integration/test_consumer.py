@@ -7,6 +7,7 @@ the batch handler and the default batch size, as the issue asks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import orjson
@@ -254,14 +255,21 @@ async def test_partitions_run_side_by_side_each_in_offset_order(
     topic = await topics.create(partitions=4)
     await pool.execute(support.EFFECTS)
     in_flight, peak = 0, 0
+    overlapped = asyncio.Event()
 
-    async def slow(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+    async def waiting(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        # With lanes, a batch waits here (a second at most: a poll may hold one
+        # partition only) until another partition's batch has started too.
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
+        if in_flight > 1:
+            overlapped.set()
         try:
             await support.record_effects(msgs, tx)
-            await asyncio.sleep(0.05)  # a handler that takes a while, as real ones do
+            if concurrency > 1:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(overlapped.wait(), 1)
         finally:
             in_flight -= 1
 
@@ -269,7 +277,7 @@ async def test_partitions_run_side_by_side_each_in_offset_order(
         records = [(None, payment(f"p{part}-{i}")) for i in range(50)]
         await helpers.produce(bootstrap_servers, topic, records, partition=part)
     consumer = make_consumer(
-        {"handler": slow, "batch_size": 10, "concurrency": concurrency},
+        {"handler": waiting, "batch_size": 10, "concurrency": concurrency},
         topic,
         bootstrap_servers,
         pool,
