@@ -450,9 +450,10 @@ class IdempotentConsumer:
     async def _landed(self, lane: _Lane, tp: TopicPartition, part: _Partition) -> int | None:
         """The partition's offset if our token still holds it and it moved past ours.
 
-        A fence fails either because a newer owner took the partition (None) or
-        because a COMMIT of ours succeeded on the server but the answer never
-        came back, so the retry expected the old offset (the new one).
+        A fence fails either because a newer owner took the partition (then
+        None) or because a COMMIT of ours succeeded on the server but its answer
+        never came back, so the retry fenced on the old offset (then the offset
+        that COMMIT moved it to).
         """
         conn = await lane.connection()
         position = await self.store.position(conn, self.group_id, tp.topic, tp.partition)
