@@ -65,6 +65,17 @@ def describe_dsn(dsn: str) -> str:
     return f"{scheme}://{user}@{tail}"
 
 
+DATABASE_ERRORS = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    # e.g. the server cut the session (idle in transaction) while a worker was paused
+    asyncpg.InternalClientError,
+)
+"""What talking to Postgres can raise; :func:`is_retriable` tells which are transient."""
+
+
 def is_retriable(exc: BaseException) -> bool:
     """True when ``exc`` is a transient failure of Postgres or the network."""
     if isinstance(exc, errors.DedupError):

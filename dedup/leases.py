@@ -31,7 +31,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors, events, schema, telemetry
+from dedup import db, errors, events, schema, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -332,14 +332,7 @@ class Watchdog:
             except errors.StaleTokenError as exc:
                 await self._lose(exc)
                 return
-            except (
-                OSError,
-                TimeoutError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                # e.g. the server cut the session (idle in transaction) while we were paused
-                asyncpg.InternalClientError,
-            ) as exc:
+            except db.DATABASE_ERRORS as exc:
                 if loop.time() >= deadline:
                     lost = errors.StaleTokenError(
                         self.lease.resource,

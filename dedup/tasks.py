@@ -364,13 +364,7 @@ class TaskRunner:
                         outcome = await self._execute(pool, claimed, job)
                     else:
                         outcome = claimed
-            except (
-                OSError,
-                TimeoutError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                asyncpg.InternalClientError,
-            ) as exc:
+            except db.DATABASE_ERRORS as exc:
                 if not db.is_retriable(exc):
                     raise
                 raise errors.ServiceUnavailableError(
