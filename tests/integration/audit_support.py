@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-import dedup
+from tests.integration import consumer_support
 
 UTC = datetime.UTC
 
@@ -157,14 +157,6 @@ async def add_event(
 
 def consumer(handler: Any, topic: str, bootstrap_servers: str, pool: Any, **kw: Any) -> Any:
     """An IdempotentConsumer of ``topic`` keyed by ``payment_id``, reading from the start."""
-    return dedup.IdempotentConsumer(
-        handler,
-        topics=[topic],
-        group_id=f"g-{topic}",
-        bootstrap_servers=bootstrap_servers,
-        pool=pool,
-        key=dedup.keys.json_field("payment_id"),
-        auto_offset_reset="earliest",
-        install_signal_handlers=False,
-        **kw,
+    return consumer_support.consumer(
+        handler, topic, bootstrap_servers, pool, key_field="payment_id", **kw
     )

@@ -56,6 +56,29 @@ async def record_effects(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
     )
 
 
+def consumer(
+    handler: Any,
+    topic: str,
+    bootstrap_servers: str,
+    pool: Any,
+    *,
+    key_field: str = "id",
+    **options: Any,
+) -> dedup.IdempotentConsumer:
+    """An IdempotentConsumer of ``topic`` in its own group, keyed by a JSON field, from offset 0."""
+    return dedup.IdempotentConsumer(
+        handler,
+        topics=[topic],
+        group_id=f"g-{topic}",
+        bootstrap_servers=bootstrap_servers,
+        pool=pool,
+        key=dedup.keys.json_field(key_field),
+        auto_offset_reset="earliest",
+        install_signal_handlers=False,
+        **options,
+    )
+
+
 @contextlib.asynccontextmanager
 async def running(consumer: dedup.IdempotentConsumer) -> AsyncIterator[asyncio.Task[None]]:
     """Run ``consumer`` in the background; stop it (and surface its error) on exit."""

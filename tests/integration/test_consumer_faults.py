@@ -137,17 +137,8 @@ async def test_two_consumers_and_a_third_joining_and_leaving(
     await pools[0].execute(support.EFFECTS)
     handler = support.record_effect if batch_size == 1 else support.record_effects
     consumers = [
-        dedup.IdempotentConsumer(
-            handler,
-            topics=[topic],
-            group_id=f"g-{topic}",
-            bootstrap_servers=bootstrap_servers,
-            pool=p,
-            key=dedup.keys.json_field("id"),
-            batch_size=batch_size,
-            auto_offset_reset="earliest",
-            session_timeout_ms=6000,
-            install_signal_handlers=False,
+        support.consumer(
+            handler, topic, bootstrap_servers, p, batch_size=batch_size, session_timeout_ms=6000
         )
         for p in pools
     ]
@@ -189,17 +180,7 @@ async def test_backend_killed_mid_transaction_is_retried_without_loss(
         await support.record_effects(msgs, tx)
         await asyncio.sleep(0.05)  # a slow handler: the transaction stays open a while
 
-    consumer = dedup.IdempotentConsumer(
-        lingering,
-        topics=[topic],
-        group_id=f"g-{topic}",
-        bootstrap_servers=bootstrap_servers,
-        pool=own,
-        key=dedup.keys.json_field("id"),
-        batch_size=20,
-        auto_offset_reset="earliest",
-        install_signal_handlers=False,
-    )
+    consumer = support.consumer(lingering, topic, bootstrap_servers, own, batch_size=20)
 
     async def kill_in_transaction() -> bool:
         return bool(
@@ -254,16 +235,7 @@ async def test_a_commit_whose_answer_was_lost_does_not_stall_the_partition(
 
     monkeypatch.setattr(store.Store, "apply", apply)
     monkeypatch.setattr(asyncpg_transaction.Transaction, "__aexit__", commit_then_lose_the_answer)
-    consumer = dedup.IdempotentConsumer(
-        support.record_effects,
-        topics=[topic],
-        group_id=f"g-{topic}",
-        bootstrap_servers=bootstrap_servers,
-        pool=pool,
-        key=dedup.keys.json_field("id"),
-        auto_offset_reset="earliest",
-        install_signal_handlers=False,
-    )
+    consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
     async with support.running(consumer):
         await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(10)])
         await helpers.wait_for(lambda: _all_applied(pool, 10), within=30, what="the first 10")

@@ -59,16 +59,7 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
             (b"t3", b"{broken"),
         ],
     )
-    consumer = dedup.IdempotentConsumer(
-        support.record_effects,
-        topics=[topic],
-        group_id=f"g-{topic}",
-        bootstrap_servers=bootstrap_servers,
-        pool=pool,
-        key=dedup.keys.json_field("id"),
-        auto_offset_reset="earliest",
-        install_signal_handlers=False,
-    )
+    consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
     async with support.running(consumer):
         await helpers.wait_for(lambda: _handled(consumer, 5), what="5 messages")
 
