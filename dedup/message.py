@@ -29,7 +29,8 @@ class Message:
     timestamp: int
     """The record timestamp, in milliseconds since the epoch."""
     idempotency_key: str = ""
-    """The key that makes the message's effect happen once (set before the handler runs)."""
+    """The key that makes the message's effect happen once, as stored (set before the
+    handler runs; see :func:`dedup.keys.stored`)."""
     raw_headers: tuple[tuple[str, bytes], ...] = ()
     """The headers exactly as they came, in order, repeats included."""
     _decoded: Any = field(default=None, repr=False)
