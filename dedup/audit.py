@@ -19,7 +19,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors, report, schema, timespec
+from dedup import errors, keys, report, schema, timespec
 
 DEFAULT_LIMIT = 1000
 
@@ -127,7 +127,7 @@ class Window:
 def nothing_matches(what: str, asked: Mapping[str, Any]) -> str:
     """``no events match key=k1, namespace=pay``: what a table says when nothing was found."""
     given = [
-        f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+        keys.shorten(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}", 80)
         for k, v in asked.items()
         if v not in (None, False) and k != "limit"
     ]
@@ -158,7 +158,7 @@ class AuditQuery:
     """What ``dedup audit`` was asked; ``None`` means no filter."""
 
     key: str | None = None
-    """The idempotency key."""
+    """The idempotency key, as the user knows it or as stored (see :func:`keys.lookup_forms`)."""
     namespace: str | None = None
     """The consumer namespace."""
     topic: str | None = None
@@ -198,6 +198,7 @@ async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> re
     window = await Window.resolve(conn, queries, q.since, q.until)
     statuses = set(q.statuses or STATUSES)
     where = (q.topic, q.partition, q.offset, window.since, window.until)
+    stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
 
     processed: list[dict[str, Any]] = []
     dead: list[dict[str, Any]] = []
@@ -208,14 +209,17 @@ async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> re
         processed, cut_processed = await _limited(
             conn,
             queries.audit_processed,
-            (q.key, namespaces, *where, processed_statuses),
+            (stored_keys, namespaces, *where, processed_statuses),
             q.limit,
         )
     if "dead_lettered" in statuses:
         namespaces = [q.namespace] if q.namespace is not None else None
         only_pending = False
         dead, cut_dead = await _limited(
-            conn, queries.audit_dead_letters, (q.key, namespaces, *where, only_pending), q.limit
+            conn,
+            queries.audit_dead_letters,
+            (stored_keys, namespaces, *where, only_pending),
+            q.limit,
         )
 
     asked = {
@@ -244,7 +248,7 @@ class EventsQuery:
     """What ``dedup events`` was asked; ``None`` means no filter."""
 
     key: str | None = None
-    """Idempotency key, or a task's business key."""
+    """Idempotency key (as the user knows it or as stored), or a task's business key."""
     namespace: str | None = None
     """Consumer namespace, or task code."""
     resource: str | None = None
@@ -283,7 +287,9 @@ async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> 
     namespaces = await _namespaces(conn, queries.events_namespaces, q.key, namespace)
     # A task's story includes the lease it ran under (same namespace and key).
     subjects = ["task", "lease"] if q.task is not None else None
-    args = (q.key, namespaces, q.resource, subjects, q.kind, window.since, window.until)
+    # A task's business key is stored as given; a message's key may be a digest.
+    stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
+    args = (stored_keys, namespaces, q.resource, subjects, q.kind, window.since, window.until)
     rows, cut = await _limited(conn, queries.audit_events, args, q.limit)
     if q.task is not None:
         asked: dict[str, Any] = {"task": q.task, "business_key": q.key}

@@ -359,7 +359,7 @@ def _add_audit(sub: Any) -> None:
         help="what happened to a message: its claimed key and any dead letter",
         description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
     )
-    p.add_argument("--key", help="the idempotency key")
+    p.add_argument("--key", help="the idempotency key, as known or as stored (sha256:...)")
     p.add_argument("--namespace", help="the consumer namespace (default: all)")
     p.add_argument("--topic", help="with --partition and --offset: where the message was read")
     p.add_argument("--partition", type=_integer(0), help="see --topic")
@@ -381,7 +381,7 @@ def _add_events(sub: Any) -> None:
         help="the transitions recorded for a key, a resource or a task",
         description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
     )
-    p.add_argument("--key", help="an idempotency key")
+    p.add_argument("--key", help="an idempotency key, as known or as stored (sha256:...)")
     p.add_argument("--namespace", help="with --key: the consumer namespace (default: all)")
     p.add_argument("--resource", help="a lease resource or topic:partition")
     p.add_argument("--task", help="a task code")

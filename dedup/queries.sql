@@ -187,12 +187,12 @@ SELECT namespace FROM ns WHERE namespace IS NOT NULL
 -- By key: the primary key (namespace = ANY, key).  By topic/partition/offset:
 -- no index on purpose (see docs/reference/cli.md); a --since/--until window
 -- narrows the scan through the BRIN index on first_seen.
--- $1 key, $2 namespaces, $3 topic, $4 partition, $5 offset, $6 since, $7 until,
--- $8 statuses (processed, duplicate, conflict), $9 limit.
+-- $1 keys (dedup.keys.lookup_forms), $2 namespaces, $3 topic, $4 partition, $5 offset,
+-- $6 since, $7 until, $8 statuses (processed, duplicate, conflict), $9 limit.
 SELECT namespace, idempotency_key, topic, "partition", "offset", token, payload_hash,
        status, first_seen, processed_at, duplicates, conflicts, last_duplicate_at
   FROM {schema}.processed
- WHERE ($1::text IS NULL OR idempotency_key = $1)
+ WHERE ($1::text[] IS NULL OR idempotency_key = ANY($1))
    AND ($2::text[] IS NULL OR namespace = ANY($2))
    AND ($3::text IS NULL OR topic = $3)
    AND ($4::int IS NULL OR "partition" = $4)
@@ -206,12 +206,12 @@ SELECT namespace, idempotency_key, topic, "partition", "offset", token, payload_
  LIMIT $9
 
 -- name: audit_dead_letters
--- $1 key, $2 namespaces, $3 topic, $4 partition, $5 offset, $6 since, $7 until
+-- $1 keys, $2 namespaces, $3 topic, $4 partition, $5 offset, $6 since, $7 until
 -- (on created_at), $8 only those not replayed yet, $9 limit.
 SELECT id, namespace, group_id, topic, "partition", "offset", timestamp_ms, idempotency_key,
        reason, error, attempts, token, created_at, replayed_at
   FROM {schema}.dead_letters
- WHERE ($1::text IS NULL OR idempotency_key = $1)
+ WHERE ($1::text[] IS NULL OR idempotency_key = ANY($1))
    AND ($2::text[] IS NULL OR namespace = ANY($2))
    AND ($3::text IS NULL OR topic = $3)
    AND ($4::int IS NULL OR "partition" = $4)
@@ -237,11 +237,11 @@ UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = $1 RETURNING rep
 -- name: audit_events
 -- By key: (namespace = ANY, key) on events_namespace_key; by resource:
 -- events_resource; by task: subject task or lease, namespace = task code.
--- $1 key, $2 namespaces, $3 resource, $4 subjects, $5 kind, $6 since, $7 until, $8 limit.
+-- $1 keys, $2 namespaces, $3 resource, $4 subjects, $5 kind, $6 since, $7 until, $8 limit.
 SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_state,
        to_state, trace_id, detail
   FROM {schema}.events
- WHERE ($1::text IS NULL OR key = $1)
+ WHERE ($1::text[] IS NULL OR key = ANY($1))
    AND ($2::text[] IS NULL OR namespace = ANY($2))
    AND ($3::text IS NULL OR resource = $3)
    AND ($4::text[] IS NULL OR subject = ANY($4))
