@@ -1,30 +1,29 @@
 """The idempotent Kafka consumer, and ``wrap`` for hand-written aiokafka loops.
 
-One Postgres transaction per batch of one partition (see :mod:`dedup.store`):
-fence + claim, handler on the fresh keys, dead letters and events, COMMIT; the
-offset lives in Postgres in that same transaction.  Kafka offsets are committed
-afterwards, every ``kafka_commit_interval`` seconds, for lag tools only: on
-assignment the consumer seeks to the offset stored in Postgres.
+The consumer has three jobs, each in one place:
 
-Partitions are independent, so up to ``concurrency`` of them run their
-transactions at once, each on a connection of its own (a *lane*); a partition's
-batches stay in offset order on one lane.
+- **assignment and fetching** (this module): the rebalance listener takes the
+  assigned partitions in Postgres with fresh fencing tokens and seeks to the
+  offsets stored there; the fetch loop hands each partition's records to its
+  worker and pauses a partition in the fetcher while its worker has enough;
+- **applying** (:mod:`dedup.worker`): one worker per owned partition applies
+  its records batch after batch, one Postgres transaction each (see
+  :mod:`dedup.store`), on a connection lent by :mod:`dedup.lanes`; workers run
+  side by side, so one partition's slow or hung handler never holds up another;
+- **offset commits to Kafka** (``_commit_kafka``): every
+  ``kafka_commit_interval`` seconds, for lag tools only.  Postgres holds the
+  authoritative offset, in the batch's own transaction.
 
-Failure handling, in order of preference:
-
-- a transient error (lost connection, serialization failure, deadlock, broker
-  hiccup) retries the same batch with backoff, for as long as it takes;
-- a handler error splits the batch in halves until the failing message stands
-  alone (no SAVEPOINT per message on the happy path), retries it
-  ``max_attempts`` times, then dead-letters it whole; the partition moves on;
-- a stale fencing token (another owner took the partition) rolls the batch
-  back and stops work on that partition until Kafka assigns it again.
+Shutdown is bounded: SIGTERM, SIGINT or :meth:`IdempotentConsumer.stop` let the
+batches in flight finish for ``shutdown_timeout`` seconds, then cancel them
+(they roll back and will be delivered again); a second signal cancels at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -34,22 +33,20 @@ import time
 import types
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiokafka
 import aiokafka.errors
-import asyncpg
 from aiokafka.structs import TopicPartition
-from opentelemetry import trace
 
-from dedup import db, errors, events, keys, store, telemetry
+from dedup import db, errors, keys, lanes, store, telemetry, worker
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 500
 DEFAULT_CONCURRENCY = 4
+DEFAULT_HANDLER_TIMEOUT = 30.0
 DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
 """The ``idempotency-key`` header if present, else the Kafka record key."""
 
@@ -61,48 +58,30 @@ STAT_NAMES = (
     "dead_lettered",
     "stale",
     "retries",
+    "deadlocks",
     "batches",
 )
 
+IDLE_MARGIN = 2.0
+"""Seconds the server's idle-in-transaction timeout leaves beyond ``handler_timeout``."""
 # A takeover waits at most this long for an old owner's open transaction; an old
-# owner that is paused is cut off sooner by db.IDLE_IN_TRANSACTION_TIMEOUT_MS.
+# owner that is paused is cut off sooner by the idle-in-transaction timeout.
 TAKEOVER_LOCK_TIMEOUT = "15s"
-MAX_BACKOFF = 5.0
+CANCEL_GRACE = 3.0
+"""Seconds a cancelled batch gets to roll back before its connection is closed under it."""
+FETCH_WAIT_MS = 250
 
 _AIOKAFKA_OPTIONS = frozenset(inspect.signature(aiokafka.AIOKafkaConsumer.__init__).parameters) - {
     "self",
     "topics",
 }
-
-
-class _Lane:
-    """A connection of the consumer's, kept from one transaction to the next."""
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-        self._conn: asyncpg.Connection | None = None
-
-    async def connection(self) -> asyncpg.Connection:
-        if self._conn is None or not _usable(self._conn):
-            await self.release()
-            self._conn = await self._pool.acquire()
-        return self._conn
-
-    async def release(self) -> None:
-        """Give the connection back (after a transient failure: start again on a fresh one)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await self._pool.release(conn, timeout=5)
-
-
-@dataclass(slots=True)
-class _Partition:
-    """What this consumer holds for one assigned partition."""
-
-    token: int
-    expected: int | None  # next_offset in Postgres as we last left it
-    committed_to_kafka: int | None = None
+_KEY_FACTORIES = {
+    keys.header: "dedup.keys.header('name')",
+    keys.json_field: "dedup.keys.json_field('field')",
+    keys.kafka_key: "dedup.keys.kafka_key()",
+    keys.offset: "dedup.keys.offset()",
+    keys.first: "dedup.keys.first(...)",
+}
 
 
 def _is_batch_handler(handler: Callable[..., Any]) -> bool:
@@ -121,18 +100,41 @@ def _default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def _take_key(
-    strategy: keys.Strategy, on_missing_key: str, msg: message_.Message
-) -> store.DeadLetter | None:
-    """Set ``msg.idempotency_key``; return a dead letter when there is none to set."""
-    try:
-        msg.idempotency_key = keys.extract(strategy, msg)
-    except errors.KeyExtractionError as exc:
-        if on_missing_key == "offset":
-            msg.idempotency_key = msg.where
-            return None
-        return store.DeadLetter(msg, f"no idempotency key: {exc}")
-    return None
+def _check_handler(handler: Any) -> None:
+    """Refuse, at construction, a handler that can't be awaited."""
+    target = handler.func if isinstance(handler, functools.partial) else handler
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        getattr(target, "__call__", None)  # noqa: B004 - an object with an async __call__
+    ):
+        return
+    what = "not callable" if not callable(handler) else "a function that is not async"
+    raise errors.ConfigurationError(
+        f"handler={handler!r} is {what}: expected `async def handler(msg, tx)` (or a batch "
+        "handler `async def handler(msgs: list[dedup.Message], tx)`); run blocking code "
+        "with asyncio.to_thread inside it"
+    )
+
+
+def _check_key(key: Any) -> None:
+    """Refuse, at construction, a ``key`` that is not a key strategy."""
+    if key in _KEY_FACTORIES:
+        raise errors.ConfigurationError(
+            f"key={key.__name__}: that makes a strategy; call it, e.g. key={_KEY_FACTORIES[key]}"
+        )
+    if not callable(key):
+        raise errors.ConfigurationError(
+            f"key={key!r}: expected a key strategy, e.g. dedup.keys.json_field('id') or any "
+            "callable (Message) -> str | None"
+        )
+
+
+def _check_number(name: str, value: Any, low: float, high: float, *, whole: bool) -> None:
+    kinds = (int,) if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        kind = "a whole number" if whole else "a number of seconds"
+        raise errors.ConfigurationError(
+            f"{name}={value!r}: expected {kind} from {low:g} to {high:g}"
+        )
 
 
 class IdempotentConsumer:
@@ -172,6 +174,7 @@ class IdempotentConsumer:
         max_attempts: int = 3,
         install_signal_handlers: bool = True,
         shutdown_timeout: float = 30.0,
+        handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
         kafka_commit_interval: float = 1.0,
         **options: Any,
     ) -> None:
@@ -181,12 +184,14 @@ class IdempotentConsumer:
             raise errors.ConfigurationError("topics must be a non-empty list of topic names")
         if not group_id:
             raise errors.ConfigurationError("group_id must be set")
-        if not 1 <= batch_size <= 100_000:
-            raise errors.ConfigurationError(f"batch_size={batch_size}: expected 1 to 100000")
-        if not 1 <= concurrency <= 64:
-            raise errors.ConfigurationError(f"concurrency={concurrency}: expected 1 to 64")
-        if max_attempts < 1:
-            raise errors.ConfigurationError(f"max_attempts={max_attempts}: expected 1 or more")
+        _check_handler(handler)
+        _check_key(key)
+        _check_number("batch_size", batch_size, 1, 100_000, whole=True)
+        _check_number("concurrency", concurrency, 1, 64, whole=True)
+        _check_number("max_attempts", max_attempts, 1, 1000, whole=True)
+        _check_number("handler_timeout", handler_timeout, 0.001, 86_400, whole=False)
+        _check_number("shutdown_timeout", shutdown_timeout, 0, 86_400, whole=False)
+        _check_number("kafka_commit_interval", kafka_commit_interval, 0, 3600, whole=False)
         if on_missing_key not in ("dead_letter", "offset"):
             raise errors.ConfigurationError(
                 f"on_missing_key={on_missing_key!r}: expected 'dead_letter' or 'offset'"
@@ -217,6 +222,7 @@ class IdempotentConsumer:
         self.max_attempts = max_attempts
         self.install_signal_handlers = install_signal_handlers
         self.shutdown_timeout = shutdown_timeout
+        self.handler_timeout = handler_timeout
         self.kafka_commit_interval = kafka_commit_interval
         self.store = store.Store(  # validates the schema name and the conflict policy
             schema_name=schema, namespace=self.namespace, conflict_policy=on_conflict
@@ -226,16 +232,17 @@ class IdempotentConsumer:
         self._own_pool = pool is None
         self._options = options
         self._stats = dict.fromkeys(STAT_NAMES, 0)
-        self._owned: dict[TopicPartition, _Partition] = {}
-        self._work = asyncio.Lock()
+        self._workers: dict[TopicPartition, worker.PartitionWorker] = {}
+        self._held: set[TopicPartition] = set()  # paused while every worker was busy
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second signal: cut what is in flight now
+        self._stop_deadline: float | None = None
         self._stopped = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._kafka: Any = None
-        self._lanes: list[_Lane] = []
-        self._idle: asyncio.Queue[_Lane] = asyncio.Queue()
+        self._lanes: lanes.Lanes | None = None
+        self._settings: worker.Settings | None = None
         self._last_kafka_commit = 0.0
-        self._database = ""
 
     @property
     def stats(self) -> Mapping[str, int]:
@@ -244,14 +251,15 @@ class IdempotentConsumer:
         ``messages`` (records committed, whatever their outcome), ``processed``
         (applied), ``duplicates``, ``conflicts``, ``dead_lettered`` (conflicts
         included under the default policy), ``stale`` (batches refused by the
-        fence), ``retries``, ``batches`` (transactions committed).
+        fence), ``retries``, ``deadlocks`` (batches that deadlocked with another
+        partition's and ran again alone), ``batches`` (transactions committed).
         """
         return types.MappingProxyType(self._stats)
 
     @property
     def assignment(self) -> set[tuple[str, int]]:
         """The partitions this consumer holds a current token for."""
-        return {(tp.topic, tp.partition) for tp in self._owned}
+        return {(tp.topic, tp.partition) for tp in self._workers}
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -263,49 +271,87 @@ class IdempotentConsumer:
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if self.install_signal_handlers else ()
         for sig in signals:
-            loop.add_signal_handler(sig, self._stopping.set)
+            loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self._start()
-            while not self._stopping.is_set():
-                await self._poll_once()
+            await self._consume()
         finally:
-            for sig in signals:
-                loop.remove_signal_handler(sig)
-            await self._shutdown()
-            self._stopped.set()
+            try:
+                await self._shutdown()
+            finally:
+                for sig in signals:
+                    loop.remove_signal_handler(sig)
+                self._stopped.set()
 
     async def stop(self) -> None:
-        """Finish or roll back the batch in flight, commit what was handled, and return.
+        """Finish or roll back the batches in flight, commit what was handled, and return.
 
-        Waits up to ``shutdown_timeout`` seconds, then cancels the batch in flight
-        (its transaction rolls back, so its messages will be delivered again).
+        Waits up to ``shutdown_timeout`` seconds for the batches in flight, then
+        cancels them (their transactions roll back, so their messages will be
+        delivered again).
         """
-        self._stopping.set()
+        self._request_stop()
         if self._task is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._stopped.wait()), self.shutdown_timeout)
-        except TimeoutError:
-            log.warning(
-                "consumer %s did not stop in %.0fs; cancelling", self.holder, self.shutdown_timeout
+            await asyncio.wait_for(
+                asyncio.shield(self._stopped.wait()), self.shutdown_timeout + 2 * CANCEL_GRACE + 10
             )
+        except TimeoutError:
+            log.warning("consumer %s did not stop in time; cancelling it", self.holder)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stopped.wait()
+
+    def _request_stop(self) -> None:
+        if not self._stopping.is_set():
+            self._stop_deadline = time.monotonic() + self.shutdown_timeout
+            self._stopping.set()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._stopping.is_set():
+            log.warning("%s again: cutting the batches in flight now", sig.name)
+            self._hurry.set()
+            return
+        log.info(
+            "%s: stopping; batches in flight get %.0fs (%s again cuts them now)",
+            sig.name,
+            self.shutdown_timeout,
+            sig.name,
+        )
+        self._request_stop()
 
     async def _start(self) -> None:
         if self._dsn is not None:
             self._pool = await db.create_pool(self._dsn, min_size=1, max_size=self.concurrency)
         # A lane keeps its connection while the consumer runs.  In a pool of the
         # caller's, one connection stays free for the caller's own code.
-        lanes = self.concurrency
+        size = self.concurrency
         if not self._own_pool:
-            lanes = max(1, min(lanes, _pool_size(self._pool) - 1))
-        self._lanes = [_Lane(self._pool) for _ in range(lanes)]
-        for lane in self._lanes:
-            self._idle.put_nowait(lane)
+            size = max(1, min(size, _pool_size(self._pool) - 1))
+        idle_timeout = self.handler_timeout + IDLE_MARGIN
+        # The server never cuts the session of a handler still within its deadline.
+        self._lanes = lanes.Lanes(
+            self._pool,
+            size,
+            {"idle_in_transaction_session_timeout": f"{round(idle_timeout * 1000)}"},
+        )
         await self._check_schema()
-        self._database = await self._pool.fetchval("SELECT current_database()")
+        self._settings = worker.Settings(
+            group_id=self.group_id,
+            namespace=self.namespace,
+            holder=self.holder,
+            store=self.store,
+            handler=self.handler,
+            batch_handler=self.batch_handler,
+            key=self.key,
+            on_missing_key=self.on_missing_key,
+            batch_size=self.batch_size,
+            max_attempts=self.max_attempts,
+            handler_timeout=self.handler_timeout,
+            idle_timeout=idle_timeout,
+            database=await self._pool.fetchval("SELECT current_database()"),
+        )
         self._kafka = aiokafka.AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
             group_id=self.group_id,
@@ -317,12 +363,14 @@ class IdempotentConsumer:
             present = await self._kafka.topics()
         except aiokafka.errors.KafkaError as exc:
             await self._kafka.stop()
+            self._kafka = None
             raise errors.ServiceUnavailableError(
                 f"cannot reach Kafka at bootstrap_servers={self.bootstrap_servers!r}: {exc}"
             ) from exc
         missing = [t for t in self.topics if t not in present]
         if missing:
             await self._kafka.stop()
+            self._kafka = None
             raise errors.ConfigurationError(
                 f"topics: {', '.join(map(repr, missing))} not found on {self.bootstrap_servers}; "
                 "create them first"
@@ -339,355 +387,221 @@ class IdempotentConsumer:
             )
 
     async def _shutdown(self) -> None:
+        """Stop within ``shutdown_timeout`` (plus a few seconds), whatever the handlers do."""
+        self._request_stop()
+        cut = await self._close_workers(list(self._workers.values()), self._time_left())
         if self._kafka is not None:
-            with contextlib.suppress(aiokafka.errors.KafkaError):
-                await self._commit_kafka(force=True)
-            # Leaving the group revokes our partitions (the listener needs the DB).
-            await self._kafka.stop()
+            with contextlib.suppress(aiokafka.errors.KafkaError, TimeoutError):
+                async with asyncio.timeout(5):
+                    await self._commit_kafka(force=True)
+            # Leaving the group revokes our partitions; their workers are done.
+            try:
+                async with asyncio.timeout(max(self._time_left(), 5.0)):
+                    await self._kafka.stop()
+            except TimeoutError:
+                log.warning("leaving the Kafka group took too long; the broker will time us out")
             self._kafka = None
-        for lane in self._lanes:
-            await lane.release()
+        if self._lanes is not None:
+            if cut:
+                self._lanes.terminate()  # a handler that ignored its cancellation
+            await self._lanes.close()
         if self._own_pool and self._pool is not None:
-            await self._pool.close()
+            if cut:
+                self._pool.terminate()
+            else:
+                await self._pool.close()
             self._pool = None
         log.info("consumer %s stopped: %s", self.holder, dict(self._stats))
 
+    def _time_left(self) -> float:
+        if self._hurry.is_set() or self._stop_deadline is None:
+            return 0.0
+        return max(self._stop_deadline - time.monotonic(), 0.0)
+
+    async def _close_workers(self, workers: list[worker.PartitionWorker], grace: float) -> bool:
+        """Let ``workers`` finish their batch in flight for ``grace`` s, then cancel them.
+
+        True when a handler ignored its cancellation (its connection must be closed).
+        """
+        for w in workers:
+            w.stop()
+        running: dict[asyncio.Future[Any], worker.PartitionWorker] = {
+            w.task: w for w in workers if w.task is not None and not w.task.done()
+        }
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            deadline = time.monotonic() + grace
+            pending = set(running)
+            while pending and not self._hurry.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                _, pending = await asyncio.wait(
+                    {*pending, hurry}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(hurry)
+        finally:
+            hurry.cancel()
+        cut = {task for task in running if not task.done()}
+        if not cut:
+            return False
+        log.warning(
+            "cutting the batches in flight of %s; they roll back and will be delivered again",
+            ", ".join(f"{running[t].tp} (offsets {running[t].in_flight_range})" for t in cut),
+        )
+        for task in cut:
+            task.cancel()
+        _, stuck = await asyncio.wait(cut, timeout=CANCEL_GRACE)
+        if stuck:
+            log.error(
+                "handlers of %s ignored their cancellation; closing their connections",
+                ", ".join(str(running[t].tp) for t in stuck),
+            )
+        return bool(stuck)
+
     # ----------------------------------------------------------------- loop --
 
-    async def _poll_once(self) -> None:
+    async def _consume(self) -> None:
+        while not self._stopping.is_set():
+            self._check_workers()
+            fetched = await self._fetch()
+            for tp, records in fetched.items():
+                owner = self._workers.get(tp)
+                if owner is not None:  # else revoked or lost since the fetch
+                    owner.feed(records)
+            await self._commit_kafka()
+
+    def _has_room(self, tp: TopicPartition) -> None:
+        """A worker took a batch off its queue: fetch for it again."""
+        if tp in self._held:
+            self._held.discard(tp)
+            self._kafka.resume(tp)
+
+    async def _fetch(self) -> dict[TopicPartition, list[Any]]:
+        ready = [tp for tp, owner in self._workers.items() if owner.wants_records]
+        if self._workers and not ready:
+            # Every worker has a batch waiting.  Wait inside getmany all the same
+            # (aiokafka counts time outside it against max_poll_interval_ms), with
+            # the partitions paused; a worker with room resumes its own.
+            busy = set(self._workers) - self._held
+            self._kafka.pause(*busy)
+            self._held |= busy
         try:
-            fetched = await self._kafka.getmany(timeout_ms=250, max_records=self.batch_size)
+            # Without partitions getmany also runs a rebalance that gives us the first ones.
+            fetched: dict[TopicPartition, list[Any]] = await self._kafka.getmany(
+                *ready, timeout_ms=FETCH_WAIT_MS, max_records=self.batch_size
+            )
             # getmany fills max_records from one partition after another; ask each
-            # other partition for what the fetcher already holds, so that every
-            # lane has a batch.  aiokafka's fetch buffers bound the memory.
-            if fetched and len(self._lanes) > 1:
-                for tp in self._owned.keys() - fetched.keys():
-                    fetched.update(
-                        await self._kafka.getmany(tp, timeout_ms=0, max_records=self.batch_size)
-                    )
+            # other ready partition for what the fetcher already holds.
+            if fetched and len(ready) > 1:
+                for tp in ready:
+                    if tp not in fetched and tp in self._workers:
+                        fetched.update(
+                            await self._kafka.getmany(tp, timeout_ms=0, max_records=self.batch_size)
+                        )
         except aiokafka.errors.KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise
             log.warning("kafka fetch failed, retrying: %r", exc)
-            await self._sleep(1.0)
-            return
-        # A rebalance waits (self._work) until every partition's batch in flight
-        # has committed or rolled back.
-        async with self._work:
-            if len(fetched) == 1 or len(self._lanes) == 1:
-                for tp, records in fetched.items():
-                    await self._process_partition(tp, records)
-            else:
-                try:
-                    async with asyncio.TaskGroup() as group:
-                        for tp, records in fetched.items():
-                            group.create_task(self._process_partition(tp, records))
-                except BaseExceptionGroup as failed:
-                    raise failed.exceptions[0] from None
-        await self._commit_kafka()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), 1.0)
+            return {}
+        return fetched
 
-    async def _process_partition(self, tp: TopicPartition, records: Sequence[Any]) -> None:
-        part = self._owned.get(tp)
-        if part is None or self._stopping.is_set():  # revoked or lost since the fetch
-            return
-        floor = part.expected if part.expected is not None else -1
-        msgs = [message_.Message.from_record(r) for r in records if r.offset >= floor]
-        lane = await self._idle.get()
-        try:
-            for start in range(0, len(msgs), self.batch_size):
-                keyed, dead = [], []
-                for msg in msgs[start : start + self.batch_size]:
-                    letter = _take_key(self.key, self.on_missing_key, msg)
-                    if letter is None:
-                        keyed.append(msg)
-                    else:
-                        dead.append(letter)
-                if not await self._apply_retrying(lane, tp, part, keyed, dead):
-                    return
-        finally:
-            self._idle.put_nowait(lane)
-
-    async def _apply_retrying(
-        self,
-        lane: _Lane,
-        tp: TopicPartition,
-        part: _Partition,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> bool:
-        """Apply one batch, retrying transient failures; False when the partition is gone."""
-        delay = 0.1
-        while True:
-            try:
-                try:
-                    await self._apply_isolating(lane, tp, part, msgs, dead)
-                except errors.StaleTokenError as exc:
-                    landed = await self._landed(lane, tp, part)
-                    if landed is None:
-                        await self._lose(lane, tp, part, exc)
-                        return False
-                else:
-                    return True
-                # Our own earlier COMMIT went through though its answer was lost:
-                # carry on from where it left the partition.
-                log.info("%s: a batch committed in doubt had landed; resuming at %d", tp, landed)
-                part.expected = landed
-                msgs = [m for m in msgs if m.offset >= landed]
-                dead = [d for d in dead if d.msg.offset >= landed]
-                if not msgs and not dead:
-                    return True
-            except Exception as exc:
-                if not db.is_retriable(exc):
-                    raise
-                self._stats["retries"] += 1
-                telemetry.transition("retried", {"error": store.describe(exc)})
-                log.warning("batch of %s failed (%r); retrying in %.1fs", tp, exc, delay)
-                await lane.release()
-                if not await self._sleep(delay):
-                    return False  # stopping: the batch rolled back and will be redelivered
-                delay = min(delay * 2, MAX_BACKOFF)
-
-    async def _landed(self, lane: _Lane, tp: TopicPartition, part: _Partition) -> int | None:
-        """The partition's offset if our token still holds it and it moved past ours.
-
-        A fence fails either because a newer owner took the partition (then
-        None) or because a COMMIT of ours succeeded on the server but its answer
-        never came back, so the retry fenced on the old offset (then the offset
-        that COMMIT moved it to).
-        """
-        conn = await lane.connection()
-        position = await self.store.position(conn, self.group_id, tp.topic, tp.partition)
-        if position is None:
-            return None
-        token, next_offset = position
-        if token != part.token or next_offset is None:
-            return None
-        if part.expected is not None and next_offset <= part.expected:
-            return None
-        return next_offset
-
-    async def _apply_isolating(
-        self,
-        lane: _Lane,
-        tp: TopicPartition,
-        part: _Partition,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> None:
-        """Apply a batch; on a handler error, split it to find and dead-letter the culprit."""
-        failure = await self._try_transaction(lane, tp, part, msgs, dead)
-        if failure is None:
-            return
-        if len(msgs) > 1:
-            half = len(msgs) // 2
-            left, right = msgs[:half], msgs[half:]
-            split_at = right[0].offset
-            log.info("handler failed on a batch of %d from %s; splitting", len(msgs), tp)
-            await self._apply_isolating(
-                lane, tp, part, left, [d for d in dead if d.msg.offset < split_at]
-            )
-            await self._apply_isolating(
-                lane, tp, part, right, [d for d in dead if d.msg.offset >= split_at]
-            )
-            return
-        msg = msgs[0]
-        for attempt in range(2, self.max_attempts + 1):
-            self._stats["retries"] += 1
-            telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": attempt})
-            await self._sleep(min(0.05 * 2**attempt, MAX_BACKOFF))
-            failure = await self._try_transaction(lane, tp, part, [msg], dead)
-            if failure is None:
-                return
-        log.warning(
-            "dead-lettering %s after %d attempts: %s",
-            msg.where,
-            self.max_attempts,
-            type(failure).__name__,
-        )
-        letter = store.DeadLetter(
-            msg,
-            f"handler failed {self.max_attempts} times",
-            error=store.describe(failure),
-            attempts=self.max_attempts,
-        )
-        await self._transaction(lane, tp, part, [], [*dead, letter])
-
-    async def _try_transaction(
-        self,
-        lane: _Lane,
-        tp: TopicPartition,
-        part: _Partition,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> Exception | None:
-        """Run one transaction; return the handler's error, raise anything retriable or stale."""
-        try:
-            await self._transaction(lane, tp, part, msgs, dead)
-        except errors.StaleTokenError:
-            raise
-        except Exception as exc:
-            if db.is_retriable(exc) or not msgs:
-                raise
-            return exc
-        return None
-
-    async def _transaction(
-        self,
-        lane: _Lane,
-        tp: TopicPartition,
-        part: _Partition,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> None:
-        batch = len(msgs) + len(dead)
-        attributes: dict[str, Any] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": tp.topic,
-            "messaging.destination.partition.id": str(tp.partition),
-            "messaging.consumer.group.name": self.group_id,
-            "messaging.kafka.offset": (msgs or [d.msg for d in dead])[0].offset,
-            "messaging.batch.message_count": batch,
-            "dedup.namespace": self.namespace,
-            "dedup.token": part.token,
-        }
-        if batch == 1 and msgs and msgs[0].key is not None:
-            attributes["messaging.kafka.message.key"] = msgs[0].key.decode("utf-8", "replace")
-        links = [
-            link for m in msgs if m.raw_headers and (link := telemetry.extract_link(m.raw_headers))
-        ]
-        started = time.perf_counter()
-        with telemetry.tracer.start_as_current_span(
-            f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links
-        ):
-            conn = await lane.connection()
-            with telemetry.client_span(
-                f"BATCH {self.store.schema_name}.processed",
-                {
-                    "db.operation.name": "BATCH",
-                    "db.collection.name": "processed",
-                    "db.namespace": self._database,
-                    "db.operation.batch.size": batch,
-                },
-            ):
-                async with conn.transaction():
-                    result = await self.store.apply(
-                        conn,
-                        msgs,
-                        handler=self.handler,
-                        batch_handler=self.batch_handler,
-                        fence=store.Fence(self.group_id, part.token, part.expected),
-                        dead=dead,
-                    )
-        part.expected = result.next_offset
-        self._count(result, batch, time.perf_counter() - started, tp)
-
-    def _count(
-        self, result: store.BatchResult, batch: int, elapsed: float, tp: TopicPartition
-    ) -> None:
-        stats = self._stats
-        stats["batches"] += 1
-        stats["messages"] += batch
-        stats["processed"] += len(result.applied)
-        stats["duplicates"] += len(result.duplicates)
-        stats["conflicts"] += len(result.conflicts)
-        stats["dead_lettered"] += len(result.dead_letters)
-        attrs = {"messaging.destination.name": tp.topic, "dedup.namespace": self.namespace}
-        telemetry.processed.add(len(result.applied), attrs)
-        if result.duplicates:
-            telemetry.duplicates.add(len(result.duplicates), attrs)
-        if result.conflicts:
-            telemetry.conflicts.add(len(result.conflicts), attrs)
-        if result.dead_letters:
-            telemetry.dead_lettered.add(len(result.dead_letters), attrs)
-        telemetry.batch_size.record(batch, attrs)
-        telemetry.transaction_duration.record(elapsed, attrs)
-        if result.applied:
-            lag = time.time() - result.applied[-1].timestamp / 1000
-            telemetry.end_to_end_lag.record(max(lag, 0.0), attrs)
+    def _check_workers(self) -> None:
+        """Drop the workers that lost their partition; raise what stopped any other."""
+        for tp, owner in list(self._workers.items()):
+            task = owner.task
+            if task is None or not task.done():
+                continue
+            if owner.lost is not None:
+                del self._workers[tp]
+                self._held.discard(tp)
+                self._kafka.pause(tp)  # until Kafka assigns it again
+                continue
+            if task.cancelled():
+                raise errors.DedupError(f"the worker of {tp} was cancelled")
+            failure = task.exception()
+            if failure is not None:
+                raise failure
 
     # ------------------------------------------------------------ ownership --
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         if not assigned:
             return
+        # Nothing of these partitions may reach the fetch loop before their
+        # workers exist (with the token and offset from Postgres).
+        self._kafka.pause(*assigned)
         wanted = sorted((tp.topic, tp.partition) for tp in assigned)
         with telemetry.tracer.start_as_current_span(
             "dedup assign", attributes={"messaging.consumer.group.name": self.group_id}
         ):
-            await self._take(assigned, wanted)
+            taken = await self._take(wanted)
+        assert self._lanes is not None and self._settings is not None  # noqa: S101 - started
+        for tp in assigned:
+            token, next_offset = taken[(tp.topic, tp.partition)]
+            owner = worker.PartitionWorker(
+                tp,
+                token,
+                next_offset,
+                settings=self._settings,
+                lanes=self._lanes,
+                stats=self._stats,
+                on_room=self._has_room,
+            )
+            self._workers[tp] = owner
+            if next_offset is not None:
+                self._kafka.seek(tp, next_offset)
+            self._kafka.resume(tp)
+            owner.start()
         log.info("consumer %s took %s", self.holder, wanted)
 
-    async def _take(self, assigned: set[TopicPartition], wanted: list[tuple[str, int]]) -> None:
-        async with self._work:
-            delay = 0.1
-            while True:
+    async def _take(
+        self, wanted: list[tuple[str, int]]
+    ) -> dict[tuple[str, int], tuple[int, int | None]]:
+        assert self._lanes is not None  # noqa: S101 - started
+        delay = 0.1
+        while True:
+            async with self._lanes.lane() as lane:
                 try:
-                    conn = await self._lanes[0].connection()  # no batch runs now
+                    conn = await lane.connection()
                     async with conn.transaction():
                         await conn.execute(f"SET LOCAL lock_timeout = '{TAKEOVER_LOCK_TIMEOUT}'")
-                        taken = await self.store.take_partitions(
+                        return await self.store.take_partitions(
                             conn, self.group_id, self.holder, wanted
                         )
-                    break
                 except Exception as exc:
                     if not db.is_retriable(exc) or self._stopping.is_set():
                         raise
+                    await lane.release()
                     self._stats["retries"] += 1
                     log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
-                    await self._lanes[0].release()
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, MAX_BACKOFF)
-            for tp in assigned:
-                token, next_offset = taken[(tp.topic, tp.partition)]
-                self._owned[tp] = _Partition(token, next_offset, next_offset)
-                if next_offset is not None:
-                    self._kafka.seek(tp, next_offset)
-                if tp in self._kafka.paused():
-                    self._kafka.resume(tp)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, worker.MAX_BACKOFF)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
-        async with self._work:  # waits for the batch in flight to commit or roll back
-            with contextlib.suppress(aiokafka.errors.KafkaError):
-                await self._commit_kafka(force=True)
-            gone = [(tp, self._owned.pop(tp)) for tp in revoked if tp in self._owned]
-        for tp, part in gone:
+        gone = [self._workers[tp] for tp in revoked if tp in self._workers]
+        if not gone:
+            return
+        # The batches in flight commit or roll back before another member may
+        # start on these partitions (the new owner's token fences them anyway).
+        await self._close_workers(
+            gone, self._time_left() if self._stopping.is_set() else self.shutdown_timeout
+        )
+        with contextlib.suppress(aiokafka.errors.KafkaError):
+            await self._commit_kafka(force=True)
+        for owner in gone:
+            del self._workers[owner.tp]
+            self._held.discard(owner.tp)
             telemetry.transition(
                 "partition_revoked",
-                {"resource": f"{self.group_id}:{tp.topic}:{tp.partition}", "token": part.token},
+                {
+                    "resource": f"{self.group_id}:{owner.tp.topic}:{owner.tp.partition}",
+                    "token": owner.token,
+                },
             )
-        if gone:
-            log.info("consumer %s gave up %s", self.holder, [str(tp) for tp, _ in gone])
-
-    async def _lose(
-        self, lane: _Lane, tp: TopicPartition, part: _Partition, exc: errors.StaleTokenError
-    ) -> None:
-        """A newer owner holds ``tp``: stop working on it until Kafka assigns it to us again."""
-        self._owned.pop(tp, None)
-        self._kafka.pause(tp)
-        self._stats["stale"] += 1
-        telemetry.stale_rejections.add(1, {"messaging.destination.name": tp.topic})
-        log.warning("consumer %s: %s", self.holder, exc)
-        event = events.Event(
-            "partition",
-            "stale_rejected",
-            namespace=self.namespace,
-            resource=exc.resource,
-            holder=self.holder,
-            token=part.token,
-            detail={"expected_offset": part.expected},
-        )
-        try:
-            with telemetry.tracer.start_as_current_span(
-                "dedup stale", attributes={"messaging.consumer.group.name": self.group_id}
-            ):
-                conn = await lane.connection()
-                await events.record(conn, self.store.schema_name, [event])
-        except Exception as record_exc:
-            if not db.is_retriable(record_exc):
-                raise
-            log.warning("could not record stale_rejected for %s: %r", tp, record_exc)
+        log.info("consumer %s gave up %s", self.holder, [str(w.tp) for w in gone])
 
     async def _commit_kafka(self, *, force: bool = False) -> None:
         """Tell Kafka where Postgres stands, for lag tools; Postgres stays authoritative."""
@@ -696,9 +610,9 @@ class IdempotentConsumer:
             return
         self._last_kafka_commit = now
         offsets = {
-            tp: part.expected
-            for tp, part in self._owned.items()
-            if part.expected is not None and part.expected != part.committed_to_kafka
+            tp: owner.expected
+            for tp, owner in self._workers.items()
+            if owner.expected is not None and owner.expected != owner.committed_to_kafka
         }
         if not offsets:
             return
@@ -708,33 +622,14 @@ class IdempotentConsumer:
             log.info("kafka offset commit skipped: %r", exc)
             return
         for tp, offset in offsets.items():
-            if tp in self._owned:
-                self._owned[tp].committed_to_kafka = offset
-
-    # ------------------------------------------------------------- plumbing --
-
-    async def _sleep(self, seconds: float) -> bool:
-        """Sleep unless asked to stop; True if the full time passed."""
-        try:
-            await asyncio.wait_for(self._stopping.wait(), seconds)
-        except TimeoutError:
-            return True
-        return False
+            if tp in self._workers:
+                self._workers[tp].committed_to_kafka = offset
 
 
 def _pool_size(pool: Any) -> int:
     """How many connections ``pool`` may open (asyncpg pools say; others count as two)."""
     get_max_size = getattr(pool, "get_max_size", None)
     return int(get_max_size()) if get_max_size is not None else 2
-
-
-def _usable(conn: asyncpg.Connection) -> bool:
-    # asyncpg detaches a pooled connection that the server closed; asking a
-    # detached proxy anything raises InterfaceError.
-    try:
-        return not conn.is_closed()
-    except asyncpg.InterfaceError:
-        return False
 
 
 class _Rebalance(aiokafka.ConsumerRebalanceListener):  # type: ignore[misc]
@@ -766,11 +661,13 @@ def wrap(
     offsets, and the key claim alone makes redelivery harmless.  A handler error
     rolls back and propagates, so your loop decides whether to retry.
     """
+    _check_handler(handler)
+    _check_key(key)
     writes = store.Store(schema_name=schema, namespace=namespace, conflict_policy=on_conflict)
 
     async def handle(record: Any) -> message_.Outcome:
         msg = message_.Message.from_record(record)
-        letter = _take_key(key, on_missing_key, msg)
+        letter = worker.take_key(key, on_missing_key, msg)
         async with pool.acquire() as conn, conn.transaction():
             result = await writes.apply(
                 conn,

@@ -5,6 +5,9 @@
     ├── ServiceUnavailableError  Kafka or Postgres can't be reached (retriable)
     ├── StaleTokenError        a newer fencing token exists: stop writing
     ├── KeyExtractionError     no idempotency key could be taken from a message
+    ├── HandlerError           a handler broke the rules of its batch: ran past
+    │                          handler_timeout, was cancelled, or tried to end
+    │                          dedup's transaction
     └── MigrationError         the schema could not be brought up to date
 
 Every error keeps the original exception on ``__cause__``.  ``retriable`` says
@@ -48,6 +51,14 @@ class StaleTokenError(DedupError):
 
 class KeyExtractionError(DedupError):
     """No idempotency key could be taken from a message."""
+
+
+class HandlerError(DedupError):
+    """A handler failed in a way dedup caught: a timeout, a cancellation, a transaction it ended.
+
+    It counts like any exception the handler raises: the batch rolls back, the
+    message is tried again and dead-lettered after ``max_attempts``.
+    """
 
 
 class MigrationError(DedupError):

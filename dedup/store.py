@@ -14,6 +14,7 @@ raised, so the caller's transaction rolls back.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,7 +23,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors, events, schema, telemetry
+from dedup import errors, events, guard, schema, telemetry
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class Store:
         fence: Fence | None,
         dead: Sequence[DeadLetter] = (),
         group_id: str | None = None,
+        handler_timeout: float | None = None,
     ) -> BatchResult:
         """Apply one batch inside the caller's open transaction (see the module docstring).
 
@@ -216,12 +218,12 @@ class Store:
         telemetry.transition("claimed", {"namespace": self.namespace, "count": len(result.applied)})
 
         if result.applied:
-            tx = message_.Tx(conn=conn, token=fence.token if fence else 0)
+            tx = message_.Tx(conn=guard.GuardedConnection(conn), token=fence.token if fence else 0)
             if batch_handler:
-                await handler(result.applied, tx)  # type: ignore[arg-type]
+                await call_handler(handler(result.applied, tx), conn, handler_timeout)  # type: ignore[arg-type]
             else:
                 for msg in result.applied:
-                    await handler(msg, tx)  # type: ignore[arg-type]
+                    await call_handler(handler(msg, tx), conn, handler_timeout)  # type: ignore[arg-type]
 
             telemetry.transition(
                 "applied", {"namespace": self.namespace, "count": len(result.applied)}
@@ -341,6 +343,36 @@ class Store:
             for d in result.dead_letters
         ]
         return made
+
+
+async def call_handler(
+    call: Awaitable[object], conn: asyncpg.Connection, deadline_s: float | None
+) -> None:
+    """Await one handler call within ``deadline_s`` seconds; leave the transaction open or raise.
+
+    Past the deadline the handler is cancelled and HandlerError raised.  A
+    ``CancelledError`` the handler raises on its own (a cancelled HTTP call,
+    say) is a handler failure too; only a cancellation of dedup's own task
+    (shutdown, revoke) goes through as one.
+    """
+    try:
+        async with asyncio.timeout(deadline_s) as deadline:
+            await call
+    except TimeoutError as exc:
+        if not deadline.expired():
+            raise  # the handler's own TimeoutError: an error like any other
+        raise errors.HandlerError(
+            f"the handler did not finish within handler_timeout={deadline_s:g}s; it was cancelled"
+        ) from exc
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise errors.HandlerError(
+            "the handler raised CancelledError though dedup did not cancel it "
+            "(a timeout or a cancelled call inside the handler?)"
+        ) from exc
+    guard.check_open(conn)
 
 
 def describe(value: Any) -> str:

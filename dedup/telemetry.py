@@ -37,6 +37,11 @@ dead_lettered = meter.create_counter(
 stale_rejections = meter.create_counter(
     "dedup.stale_rejections", unit="{batch}", description="writes refused by a fencing token"
 )
+deadlocks = meter.create_counter(
+    "dedup.deadlocks",
+    unit="{batch}",
+    description="batches that deadlocked with another lane and ran again alone",
+)
 lease_losses = meter.create_counter(
     "dedup.lease.losses", unit="{lease}", description="leases lost by their holder"
 )

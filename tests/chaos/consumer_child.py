@@ -42,7 +42,7 @@ import orjson
 
 import dedup
 from dedup import consumer as consumer_
-from dedup import db, store
+from dedup import db, store, worker
 
 EFFECTS = """
 CREATE TABLE IF NOT EXISTS chaos_effects (
@@ -102,10 +102,10 @@ class Failpoints:
                 self.armed = line[0]
 
 
-def install(failpoints: Failpoints, holder: str, broken: str | None) -> None:
+def install(failpoints: Failpoints, holder: str, group: str, broken: str | None) -> None:
     """Wrap the consumer's batch transaction: the batch log, the failpoints, a broken build."""
     real_apply = store.Store.apply
-    real_transaction = consumer_.IdempotentConsumer._transaction
+    real_transaction = worker.PartitionWorker._transaction
 
     async def apply(self: store.Store, conn: Any, msgs: Any, **kwargs: Any) -> store.BatchResult:
         result = await real_apply(self, conn, msgs, **kwargs)
@@ -126,9 +126,8 @@ def install(failpoints: Failpoints, holder: str, broken: str | None) -> None:
         failpoints.strike("before_commit", every[0].partition, first, fence.token)
         return result
 
-    async def transaction(
-        self: consumer_.IdempotentConsumer, lane: Any, tp: Any, part: Any, msgs: Any, dead: Any
-    ) -> None:
+    async def transaction(self: worker.PartitionWorker, lane: Any, msgs: Any, dead: Any) -> None:
+        tp = self.tp
         first = min(m.offset for m in [*msgs, *(d.msg for d in dead)])
         if broken == "offset_first":
             # The classic mistake: the offset moves in its own transaction, first.
@@ -138,17 +137,17 @@ def install(failpoints: Failpoints, holder: str, broken: str | None) -> None:
                 "UPDATE dedup.partitions SET next_offset = $1"
                 ' WHERE group_id = $2 AND topic = $3 AND "partition" = $4 AND token = $5',
                 end,
-                self.group_id,
+                group,
                 tp.topic,
                 tp.partition,
-                part.token,
+                self.token,
             )
-            part.expected = end
-        await real_transaction(self, lane, tp, part, msgs, dead)
-        failpoints.strike("after_commit", tp.partition, first, part.token)
+            self.expected = end
+        await real_transaction(self, lane, msgs, dead)
+        failpoints.strike("after_commit", tp.partition, first, self.token)
 
     store.Store.apply = apply  # type: ignore[method-assign]
-    consumer_.IdempotentConsumer._transaction = transaction  # type: ignore[method-assign]
+    worker.PartitionWorker._transaction = transaction  # type: ignore[method-assign]
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -156,7 +155,7 @@ async def main(args: argparse.Namespace) -> None:
     if broken not in (None, *BREAKS):
         raise SystemExit(f"CHAOS_BREAK={broken!r}: expected one of {', '.join(BREAKS)}")
     failpoints = Failpoints()
-    install(failpoints, args.holder, broken)
+    install(failpoints, args.holder, args.group, broken)
     pool = await db.create_pool(
         args.dsn,
         min_size=1,
@@ -206,6 +205,9 @@ async def main(args: argparse.Namespace) -> None:
         max_poll_interval_ms=args.max_poll_interval_ms,
         request_timeout_ms=10_000,
         shutdown_timeout=20.0,
+        # The server cuts a paused member's session after --idle-timeout-ms; the
+        # handler's deadline stays inside it.
+        handler_timeout=max(args.idle_timeout_ms / 1000 - consumer_.IDLE_MARGIN, 0.5),
     )
     if broken == "no_fence":
         rendered = consumer.store.queries._rendered

@@ -1,0 +1,181 @@
+"""The connection a handler gets: dedup's transaction stays dedup's.
+
+The idempotency keys are claimed in the transaction the handler writes in, so
+a handler that ran ``COMMIT`` would commit the claims of messages whose
+handlers have not run yet, and one that ran ``ROLLBACK`` would drop the claims
+and let its later writes commit on their own.  ``tx.conn`` therefore refuses
+statements that end the transaction (``COMMIT``, ``END``, ``ROLLBACK``,
+``ABORT``, ``PREPARE TRANSACTION``) and closing the connection, with an error
+that names what was tried; the batch rolls back like after any handler error.
+Savepoints (``conn.transaction()`` inside the handler, ``ROLLBACK TO``) are
+fine.  After the handler, :func:`check_open` makes sure the transaction is
+still open, whatever way it was ended.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import asyncpg
+
+from dedup import errors
+
+_ENDS_TRANSACTION = re.compile(
+    r"(commit|end|abort|prepare\s+transaction|rollback(?!\s+to\b))\b", re.IGNORECASE
+)
+_SPACE_AND_COMMENTS = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.DOTALL)
+_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
+
+
+class GuardedConnection:
+    """``tx.conn``: the asyncpg connection of dedup's transaction, minus ways to end it.
+
+    Every other attribute is the connection's own.
+    """
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def __repr__(self) -> str:
+        return f"<dedup transaction on {self._conn!r}>"
+
+    async def execute(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await self._conn.execute(query, *args, **kwargs)
+
+    async def executemany(self, command: str, args: Any, **kwargs: Any) -> Any:
+        check_statement(command)
+        return await self._conn.executemany(command, args, **kwargs)
+
+    async def fetch(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await self._conn.fetch(query, *args, **kwargs)
+
+    async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await self._conn.fetchrow(query, *args, **kwargs)
+
+    async def fetchval(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await self._conn.fetchval(query, *args, **kwargs)
+
+    async def fetchmany(self, query: str, args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await self._conn.fetchmany(query, args, **kwargs)
+
+    async def prepare(self, query: str, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await self._conn.prepare(query, **kwargs)
+
+    def cursor(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return self._conn.cursor(query, *args, **kwargs)
+
+    async def close(self, **kwargs: Any) -> None:
+        raise errors.HandlerError(
+            "the handler tried to close dedup's connection; it belongs to the batch's transaction"
+        )
+
+    def terminate(self) -> None:
+        raise errors.HandlerError(
+            "the handler tried to terminate dedup's connection; "
+            "it belongs to the batch's transaction"
+        )
+
+    async def reset(self, **kwargs: Any) -> None:
+        raise errors.HandlerError("the handler tried to reset dedup's connection")
+
+
+def check_statement(sql: str) -> None:
+    """Raise HandlerError if any statement of ``sql`` would end the transaction."""
+    for start in _statement_starts(sql):
+        skipped = _SPACE_AND_COMMENTS.match(sql, start)
+        found = _ENDS_TRANSACTION.match(sql, skipped.end() if skipped else start)
+        if found:
+            word = " ".join(found.group(1).upper().split())
+            raise errors.HandlerError(
+                f"the handler ran {word}: dedup owns the batch's transaction (the idempotency "
+                "keys are claimed in it) and commits it after the handler returns; use a "
+                "savepoint (async with tx.conn.transaction()) to undo part of your work"
+            )
+
+
+def check_open(conn: asyncpg.Connection) -> None:
+    """Raise HandlerError if the handler left dedup's transaction ended."""
+    if not conn.is_in_transaction():
+        raise errors.HandlerError(
+            "the handler ended dedup's transaction (COMMIT, ROLLBACK or END); "
+            "dedup commits it after the handler returns"
+        )
+
+
+def _statement_starts(sql: str) -> list[int]:
+    """Where each statement of ``sql`` starts: 0, and after every ``;`` outside quotes."""
+    if ";" not in sql:
+        return [0]
+    starts = [0]
+    i, n = 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c == ";":
+            starts.append(i + 1)
+            i += 1
+        elif c == "'":
+            escapes = i > 0 and sql[i - 1] in "eE"
+            i = _skip_quoted(sql, i + 1, "'", escapes)
+        elif c == '"':
+            i = _skip_quoted(sql, i + 1, '"', False)
+        elif sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = n if end < 0 else end + 1
+        elif sql.startswith("/*", i):
+            i = _skip_block_comment(sql, i)
+        elif c == "$" and not _in_word(sql, i) and (tag := _DOLLAR_TAG.match(sql, i)):
+            end = sql.find(tag.group(0), tag.end())
+            i = n if end < 0 else end + len(tag.group(0))
+        else:
+            i += 1
+    return starts
+
+
+def _in_word(sql: str, i: int) -> bool:
+    """True when ``sql[i]`` continues an identifier (``a$b$`` is no dollar quote)."""
+    return i > 0 and (sql[i - 1].isalnum() or sql[i - 1] in "_$")
+
+
+def _skip_quoted(sql: str, i: int, quote: str, escapes: bool) -> int:
+    n = len(sql)
+    while i < n:
+        c = sql[i]
+        if escapes and c == "\\":
+            i += 2
+        elif c == quote:
+            if sql.startswith(quote * 2, i):
+                i += 2
+            else:
+                return i + 1
+        else:
+            i += 1
+    return n
+
+
+def _skip_block_comment(sql: str, i: int) -> int:
+    depth, i, n = 0, i, len(sql)
+    while i < n:
+        if sql.startswith("/*", i):
+            depth += 1
+            i += 2
+        elif sql.startswith("*/", i):
+            depth -= 1
+            i += 2
+            if depth == 0:
+                return i
+        else:
+            i += 1
+    return n

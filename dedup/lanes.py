@@ -1,0 +1,147 @@
+"""Lanes: the consumer's Postgres connections, one per batch transaction in flight.
+
+A lane keeps its connection from one transaction to the next.  :class:`Lanes`
+lends them to the partition workers, so at most ``concurrency`` batches run at
+once, and decides how many may run side by side: when two lanes' transactions
+deadlock (handlers that update the same hot rows in different orders), the
+batch that lost runs again *alone*, with no other lane's transaction open, and
+the lanes then stay one at a time for a cool-down that doubles while deadlocks
+keep coming.  A hot-row workload so costs at most one retry per deadlocked
+batch, and never storms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+
+log = logging.getLogger(__name__)
+
+SERIAL_COOLDOWN = 30.0
+"""Seconds the lanes run one at a time after a deadlock (doubling, up to MAX_SERIAL_COOLDOWN)."""
+MAX_SERIAL_COOLDOWN = 600.0
+
+
+class Lane:
+    """A connection of the consumer's, kept from one transaction to the next."""
+
+    def __init__(self, pool: Any, session_settings: dict[str, str]) -> None:
+        self._pool = pool
+        self._settings = session_settings
+        self._conn: asyncpg.Connection | None = None
+
+    async def connection(self) -> asyncpg.Connection:
+        """The lane's connection, (re)acquired from the pool when it has none or lost it."""
+        if self._conn is None or not _usable(self._conn):
+            await self.release()
+            conn = await self._pool.acquire()
+            try:
+                # Session settings on a connection of the caller's pool: asyncpg's
+                # release runs RESET ALL, so they go back with the connection.
+                for name, value in self._settings.items():
+                    await conn.execute("SELECT set_config($1, $2, false)", name, value)
+            except BaseException:
+                await self._pool.release(conn)
+                raise
+            self._conn = conn
+        return self._conn
+
+    async def release(self) -> None:
+        """Give the connection back (after a transient failure: start again on a fresh one)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn, timeout=5)
+
+    def terminate(self) -> None:
+        """Close the connection at once: the server rolls back whatever it had open."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.terminate()
+
+
+class Lanes:
+    """Lends lanes: up to ``size`` side by side, or one at a time after a deadlock."""
+
+    def __init__(self, pool: Any, size: int, session_settings: dict[str, str]) -> None:
+        self.size = size
+        self._free = [Lane(pool, session_settings) for _ in range(size)]
+        self._all = list(self._free)
+        self._busy = 0
+        self._exclusive_waiting = 0
+        self._exclusive = False
+        self._serial_until = 0.0
+        self._cooldown = SERIAL_COOLDOWN
+        self._changed = asyncio.Condition()
+
+    @property
+    def serial(self) -> bool:
+        """True while the lanes run one at a time (after a deadlock)."""
+        return time.monotonic() < self._serial_until
+
+    @contextlib.asynccontextmanager
+    async def lane(self, *, alone: bool = False) -> AsyncIterator[Lane]:
+        """Borrow a lane; ``alone=True`` waits until no other lane's transaction is open."""
+        async with self._changed:
+            if alone:
+                self._exclusive_waiting += 1
+                try:
+                    await self._changed.wait_for(lambda: self._busy == 0 and not self._exclusive)
+                finally:
+                    self._exclusive_waiting -= 1
+                self._exclusive = True
+            else:
+                await self._changed.wait_for(self._may_share)
+            self._busy += 1
+            lane = self._free.pop()
+        try:
+            yield lane
+        finally:
+            async with self._changed:
+                self._busy -= 1
+                self._exclusive = self._exclusive and not alone
+                self._free.append(lane)
+                self._changed.notify_all()
+
+    def _may_share(self) -> bool:
+        if self._exclusive or self._exclusive_waiting or not self._free:
+            return False
+        if time.monotonic() < self._serial_until:
+            return self._busy == 0
+        return True
+
+    def deadlocked(self) -> None:
+        """Two lanes deadlocked: run one at a time for a while (longer each time it recurs)."""
+        now = time.monotonic()
+        if now < self._serial_until + self._cooldown:
+            self._cooldown = min(self._cooldown * 2, MAX_SERIAL_COOLDOWN)
+        else:
+            self._cooldown = SERIAL_COOLDOWN
+        self._serial_until = now + self._cooldown
+        log.info("lanes deadlocked; one transaction at a time for %.0fs", self._cooldown)
+
+    async def close(self) -> None:
+        """Give every lane's connection back."""
+        for lane in self._all:
+            await lane.release()
+
+    def terminate(self) -> None:
+        """Close every lane's connection at once (a shutdown that ran out of time)."""
+        for lane in self._all:
+            lane.terminate()
+
+
+def _usable(conn: asyncpg.Connection) -> bool:
+    # asyncpg detaches a pooled connection that the server closed; asking a
+    # detached proxy anything raises InterfaceError.
+    try:
+        return not conn.is_closed()
+    except asyncpg.InterfaceError:
+        return False

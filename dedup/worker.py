@@ -1,0 +1,442 @@
+"""One partition's worker: its records, its batches, its transactions, in offset order.
+
+The consumer (:mod:`dedup.consumer`) fetches and hands each partition's records
+to that partition's :class:`PartitionWorker`, which applies them batch after
+batch on a lane (:mod:`dedup.lanes`).  Workers run side by side, so a slow or
+hung handler holds up only its own partition: its worker stops taking records,
+the consumer pauses the partition in the fetcher, and the others keep flowing.
+
+Failure handling, in order of preference:
+
+- a transient error (lost connection, serialization failure, broker hiccup)
+  retries the same batch with backoff, for as long as it takes; a deadlock
+  retries it alone (no other lane's transaction open);
+- a handler error (an exception, ``handler_timeout`` passed, a cancellation, a
+  transaction it tried to end) splits the batch in halves until the failing
+  message stands alone (no SAVEPOINT per message on the happy path), retries
+  it ``max_attempts`` times, then dead-letters it whole; the partition moves on;
+- a stale fencing token (another owner took the partition) rolls the batch
+  back and stops the worker; the consumer drops the partition until Kafka
+  assigns it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from aiokafka.structs import TopicPartition
+from opentelemetry import trace
+
+from dedup import db, errors, events, keys, lanes, store, telemetry
+from dedup import message as message_
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF = 5.0
+MIN_QUEUED = 64
+"""Records a worker may hold besides its batch in flight, however small ``batch_size`` is."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every worker of one consumer shares."""
+
+    group_id: str
+    namespace: str
+    holder: str
+    store: store.Store
+    handler: Callable[..., Any]
+    batch_handler: bool
+    key: keys.Strategy
+    on_missing_key: str
+    batch_size: int
+    max_attempts: int
+    handler_timeout: float
+    idle_timeout: float
+    """The server's idle_in_transaction_session_timeout on the lanes, in seconds."""
+    database: str
+
+
+class PartitionWorker:
+    """Applies one owned partition's records under its fencing token."""
+
+    def __init__(
+        self,
+        tp: TopicPartition,
+        token: int,
+        next_offset: int | None,
+        *,
+        settings: Settings,
+        lanes: lanes.Lanes,
+        stats: MutableMapping[str, int],
+        on_room: Callable[[TopicPartition], None],
+    ) -> None:
+        self.tp = tp
+        self.token = token
+        self.expected = next_offset
+        """The partition's next_offset in Postgres as this worker last left it."""
+        self.committed_to_kafka: int | None = None
+        """What Kafka last heard from us (None: tell it, whatever it holds)."""
+        self.lost: errors.StaleTokenError | None = None
+        """Set when a newer owner took the partition."""
+        self.in_flight: list[int] = []
+        """Offsets of the batch being applied now."""
+        self._s = settings
+        self._lanes = lanes
+        self._stats = stats
+        self._on_room = on_room
+        self._records: collections.deque[Any] = collections.deque()
+        self._more = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle --
+
+    def start(self) -> None:
+        """Start applying records as they are fed."""
+        self._task = asyncio.create_task(self._run(), name=f"dedup worker {self.tp}")
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The worker's task (done when it stopped, with the exception that stopped it)."""
+        return self._task
+
+    @property
+    def busy(self) -> bool:
+        """True while a batch is being applied."""
+        return bool(self.in_flight)
+
+    def feed(self, records: list[Any]) -> None:
+        """Queue fetched records (the consumer feeds only a worker that wants records)."""
+        floor = self.expected if self.expected is not None else -1
+        self._records.extend(r for r in records if r.offset >= floor)
+        self._more.set()
+
+    @property
+    def wants_records(self) -> bool:
+        """True while less than a batch (or MIN_QUEUED records) waits behind the one in flight."""
+        room = max(self._s.batch_size, MIN_QUEUED)
+        return not self._closing.is_set() and len(self._records) < room
+
+    def stop(self) -> None:
+        """Take no further batch; the one in flight goes on (the consumer bounds how long)."""
+        self._closing.set()
+        self._more.set()
+
+    @property
+    def in_flight_range(self) -> str:
+        """``first-last`` offsets of the batch in flight, for the log of a shutdown that cuts it."""
+        return f"{min(self.in_flight)}-{max(self.in_flight)}" if self.in_flight else "none"
+
+    # ----------------------------------------------------------------- loop --
+
+    async def _run(self) -> None:
+        while True:
+            await self._more.wait()
+            if self._closing.is_set():
+                return
+            batch = [
+                self._records.popleft() for _ in range(min(self._s.batch_size, len(self._records)))
+            ]
+            if not self._records:
+                self._more.clear()
+            self._on_room(self.tp)
+            if batch and not await self._apply(batch):
+                return
+
+    async def _apply(self, records: list[Any]) -> bool:
+        """Apply the records of one batch; False when the partition is lost."""
+        floor = self.expected if self.expected is not None else -1
+        keyed: list[message_.Message] = []
+        dead: list[store.DeadLetter] = []
+        for record in records:
+            if record.offset < floor:
+                continue
+            msg = message_.Message.from_record(record)
+            letter = take_key(self._s.key, self._s.on_missing_key, msg)
+            if letter is None:
+                keyed.append(msg)
+            else:
+                dead.append(letter)
+        if not keyed and not dead:
+            return True
+        self.in_flight = [m.offset for m in keyed] + [d.msg.offset for d in dead]
+        try:
+            return await self._apply_retrying(keyed, dead)
+        finally:
+            self.in_flight = []
+
+    async def _apply_retrying(
+        self, msgs: list[message_.Message], dead: list[store.DeadLetter]
+    ) -> bool:
+        """Apply one batch, retrying transient failures; False when the partition is gone."""
+        delay = 0.1
+        alone = False
+        while True:
+            try:
+                async with self._lanes.lane(alone=alone) as lane:
+                    try:
+                        await self._apply_isolating(lane, msgs, dead)
+                    except errors.StaleTokenError as exc:
+                        landed = await self._landed(lane)
+                        if landed is None:
+                            await self._lose(lane, exc)
+                            return False
+                    except Exception as exc:
+                        if db.is_retriable(exc):
+                            await lane.release()  # start again on a fresh connection
+                        raise
+                    else:
+                        return True
+                # Our own earlier COMMIT went through though its answer was lost:
+                # carry on from where it left the partition.
+                log.info(
+                    "%s: a batch committed in doubt had landed; resuming at %d", self.tp, landed
+                )
+                self.expected = landed
+                msgs = [m for m in msgs if m.offset >= landed]
+                dead = [d for d in dead if d.msg.offset >= landed]
+                if not msgs and not dead:
+                    return True
+            except Exception as exc:
+                if not db.is_retriable(exc):
+                    raise
+                self._stats["retries"] += 1
+                if isinstance(exc, asyncpg.DeadlockDetectedError):
+                    # Run it again with no other lane's transaction open: it
+                    # cannot deadlock then, so a hot-row batch costs one retry.
+                    self._stats["deadlocks"] += 1
+                    telemetry.deadlocks.add(1, {"messaging.destination.name": self.tp.topic})
+                    self._lanes.deadlocked()
+                    alone = True
+                    log.info("batch of %s deadlocked with another lane; retrying it alone", self.tp)
+                    continue
+                telemetry.transition("retried", {"error": store.describe(exc)})
+                log.warning("batch of %s failed (%r); retrying in %.1fs", self.tp, exc, delay)
+                if not await self._sleep(delay):
+                    return False  # closing: the batch rolled back and will be redelivered
+                delay = min(delay * 2, MAX_BACKOFF)
+
+    async def _landed(self, lane: lanes.Lane) -> int | None:
+        """The partition's offset if our token still holds it and it moved past ours.
+
+        A fence fails either because a newer owner took the partition (then
+        None) or because a COMMIT of ours succeeded on the server but its answer
+        never came back, so the retry fenced on the old offset (then the offset
+        that COMMIT moved it to).
+        """
+        conn = await lane.connection()
+        position = await self._s.store.position(
+            conn, self._s.group_id, self.tp.topic, self.tp.partition
+        )
+        if position is None:
+            return None
+        token, next_offset = position
+        if token != self.token or next_offset is None:
+            return None
+        if self.expected is not None and next_offset <= self.expected:
+            return None
+        return next_offset
+
+    async def _apply_isolating(
+        self,
+        lane: lanes.Lane,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> None:
+        """Apply a batch; on a handler error, split it to find and dead-letter the culprit."""
+        failure = await self._try_transaction(lane, msgs, dead)
+        if failure is None:
+            return
+        if len(msgs) > 1:
+            half = len(msgs) // 2
+            left, right = msgs[:half], msgs[half:]
+            split_at = right[0].offset
+            log.info("handler failed on a batch of %d from %s; splitting", len(msgs), self.tp)
+            await self._apply_isolating(lane, left, [d for d in dead if d.msg.offset < split_at])
+            await self._apply_isolating(lane, right, [d for d in dead if d.msg.offset >= split_at])
+            return
+        msg = msgs[0]
+        for attempt in range(2, self._s.max_attempts + 1):
+            self._stats["retries"] += 1
+            telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": attempt})
+            await self._sleep(min(0.05 * 2**attempt, MAX_BACKOFF))
+            failure = await self._try_transaction(lane, [msg], dead)
+            if failure is None:
+                return
+        log.warning(
+            "dead-lettering %s after %d attempts: %s",
+            msg.where,
+            self._s.max_attempts,
+            store.describe(failure),
+        )
+        letter = store.DeadLetter(
+            msg,
+            f"handler failed {self._s.max_attempts} times",
+            error=store.describe(failure),
+            attempts=self._s.max_attempts,
+        )
+        await self._transaction(lane, [], [*dead, letter])
+
+    async def _try_transaction(
+        self,
+        lane: lanes.Lane,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> Exception | None:
+        """Run one transaction; return the handler's error, raise anything retriable or stale."""
+        started = time.monotonic()
+        try:
+            await self._transaction(lane, msgs, dead)
+        except errors.StaleTokenError:
+            raise
+        except Exception as exc:
+            if not msgs:
+                raise
+            if db.is_retriable(exc):
+                if not self._session_timed_out(exc, started):
+                    raise
+                await lane.release()
+                return errors.HandlerError(
+                    "the server ended the session after idle_in_transaction_session_timeout="
+                    f"{self._s.idle_timeout:g}s: the handler kept the transaction idle that long "
+                    "(blocking code in an async handler?)"
+                )
+            return exc
+        return None
+
+    def _session_timed_out(self, exc: Exception, started: float) -> bool:
+        """True when the server cut the session for idling in a transaction: the handler's fault."""
+        if isinstance(exc, asyncpg.IdleInTransactionSessionTimeoutError):
+            return True
+        lost = isinstance(exc, asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError)
+        return lost and time.monotonic() - started >= self._s.idle_timeout
+
+    async def _transaction(
+        self,
+        lane: lanes.Lane,
+        msgs: list[message_.Message],
+        dead: list[store.DeadLetter],
+    ) -> None:
+        tp = self.tp
+        batch = len(msgs) + len(dead)
+        attributes: dict[str, Any] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": tp.topic,
+            "messaging.destination.partition.id": str(tp.partition),
+            "messaging.consumer.group.name": self._s.group_id,
+            "messaging.kafka.offset": (msgs or [d.msg for d in dead])[0].offset,
+            "messaging.batch.message_count": batch,
+            "dedup.namespace": self._s.namespace,
+            "dedup.token": self.token,
+        }
+        if batch == 1 and msgs and msgs[0].key is not None:
+            attributes["messaging.kafka.message.key"] = msgs[0].key.decode("utf-8", "replace")
+        links = [
+            link for m in msgs if m.raw_headers and (link := telemetry.extract_link(m.raw_headers))
+        ]
+        started = time.perf_counter()
+        with telemetry.tracer.start_as_current_span(
+            f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links
+        ):
+            conn = await lane.connection()
+            with telemetry.client_span(
+                f"BATCH {self._s.store.schema_name}.processed",
+                {
+                    "db.operation.name": "BATCH",
+                    "db.collection.name": "processed",
+                    "db.namespace": self._s.database,
+                    "db.operation.batch.size": batch,
+                },
+            ):
+                async with conn.transaction():
+                    result = await self._s.store.apply(
+                        conn,
+                        msgs,
+                        handler=self._s.handler,
+                        batch_handler=self._s.batch_handler,
+                        fence=store.Fence(self._s.group_id, self.token, self.expected),
+                        dead=dead,
+                        handler_timeout=self._s.handler_timeout,
+                    )
+        self.expected = result.next_offset
+        self._count(result, batch, time.perf_counter() - started)
+
+    def _count(self, result: store.BatchResult, batch: int, elapsed: float) -> None:
+        stats = self._stats
+        stats["batches"] += 1
+        stats["messages"] += batch
+        stats["processed"] += len(result.applied)
+        stats["duplicates"] += len(result.duplicates)
+        stats["conflicts"] += len(result.conflicts)
+        stats["dead_lettered"] += len(result.dead_letters)
+        attrs = {"messaging.destination.name": self.tp.topic, "dedup.namespace": self._s.namespace}
+        telemetry.processed.add(len(result.applied), attrs)
+        if result.duplicates:
+            telemetry.duplicates.add(len(result.duplicates), attrs)
+        if result.conflicts:
+            telemetry.conflicts.add(len(result.conflicts), attrs)
+        if result.dead_letters:
+            telemetry.dead_lettered.add(len(result.dead_letters), attrs)
+        telemetry.batch_size.record(batch, attrs)
+        telemetry.transaction_duration.record(elapsed, attrs)
+        if result.applied:
+            lag = time.time() - result.applied[-1].timestamp / 1000
+            telemetry.end_to_end_lag.record(max(lag, 0.0), attrs)
+
+    async def _lose(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> None:
+        """A newer owner holds the partition: record it and stop."""
+        self.lost = exc
+        self._stats["stale"] += 1
+        telemetry.stale_rejections.add(1, {"messaging.destination.name": self.tp.topic})
+        log.warning("consumer %s: %s", self._s.holder, exc)
+        event = events.Event(
+            "partition",
+            "stale_rejected",
+            namespace=self._s.namespace,
+            resource=exc.resource,
+            holder=self._s.holder,
+            token=self.token,
+            detail={"expected_offset": self.expected},
+        )
+        try:
+            with telemetry.tracer.start_as_current_span(
+                "dedup stale", attributes={"messaging.consumer.group.name": self._s.group_id}
+            ):
+                conn = await lane.connection()
+                await events.record(conn, self._s.store.schema_name, [event])
+        except Exception as record_exc:
+            if not db.is_retriable(record_exc):
+                raise
+            log.warning("could not record stale_rejected for %s: %r", self.tp, record_exc)
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep unless the worker is closing; True if the full time passed."""
+        try:
+            await asyncio.wait_for(self._closing.wait(), seconds)
+        except TimeoutError:
+            return True
+        return False
+
+
+def take_key(
+    strategy: keys.Strategy, on_missing_key: str, msg: message_.Message
+) -> store.DeadLetter | None:
+    """Set ``msg.idempotency_key``; return a dead letter when there is none to set."""
+    try:
+        msg.idempotency_key = keys.extract(strategy, msg)
+    except errors.KeyExtractionError as exc:
+        if on_missing_key == "offset":
+            msg.idempotency_key = msg.where
+            return None
+        return store.DeadLetter(msg, f"no idempotency key: {exc}")
+    return None
