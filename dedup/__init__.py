@@ -16,6 +16,7 @@ from dedup.errors import (
     MigrationError,
     ServiceUnavailableError,
     StaleTokenError,
+    UndecodableBatchError,
 )
 from dedup.leases import Lease, Leases
 from dedup.message import Message, Outcome, Tx
@@ -43,6 +44,7 @@ __all__ = [
     "TaskRun",
     "TaskRunner",
     "Tx",
+    "UndecodableBatchError",
     "keys",
     "migrate",
     "reconcile",
