@@ -12,10 +12,12 @@ from dedup.consumer import IdempotentConsumer, wrap
 from dedup.errors import (
     ConfigurationError,
     DedupError,
+    HandlerError,
     KeyExtractionError,
     MigrationError,
     ServiceUnavailableError,
     StaleTokenError,
+    UndecodableBatchError,
 )
 from dedup.leases import Lease, Leases
 from dedup.message import Message, Outcome, Tx
@@ -28,6 +30,7 @@ from dedup.tasks import TaskOutcome, TaskRun, TaskRunner
 __all__ = [
     "ConfigurationError",
     "DedupError",
+    "HandlerError",
     "IdempotentConsumer",
     "KeyExtractionError",
     "Lease",
@@ -43,6 +46,7 @@ __all__ = [
     "TaskRun",
     "TaskRunner",
     "Tx",
+    "UndecodableBatchError",
     "keys",
     "migrate",
     "reconcile",

@@ -39,7 +39,7 @@ import aiokafka
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
-from dedup import db, errors, keys, lanes, store, telemetry, worker
+from dedup import db, decoding, errors, keys, lanes, store, telemetry, worker
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 500
 DEFAULT_CONCURRENCY = 4
 DEFAULT_HANDLER_TIMEOUT = 30.0
+DEFAULT_ISOLATION_LEVEL = "read_committed"
+"""Records of aborted transactions are skipped (aiokafka's own default is read_uncommitted)."""
 DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
 """The ``idempotency-key`` header if present, else the Kafka record key."""
 
@@ -150,7 +152,12 @@ class IdempotentConsumer:
     Keyword options that aiokafka's consumer knows (``auto_offset_reset``,
     ``session_timeout_ms``, ``security_protocol``, ``ssl_context``, SASL
     settings, ...) pass through under aiokafka's names.  Offsets are never
-    auto-committed: Postgres holds them.
+    auto-committed: Postgres holds them.  ``isolation_level`` defaults to
+    ``"read_committed"``: records of aborted producer transactions are never
+    applied.
+
+    A record batch that cannot be decoded stops :meth:`run` with
+    :class:`dedup.UndecodableBatchError`, naming the partition and offset.
     """
 
     def __init__(
@@ -207,6 +214,14 @@ class IdempotentConsumer:
                 "enable_auto_commit=True: dedup stores offsets in Postgres; leave it off"
             )
         options.pop("enable_auto_commit", None)
+        # Records of aborted transactions must never be applied: read only what
+        # producers committed, unless the caller says otherwise.
+        options.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
+        if options["isolation_level"] not in ("read_committed", "read_uncommitted"):
+            raise errors.ConfigurationError(
+                f"isolation_level={options['isolation_level']!r}: expected 'read_committed' "
+                "(the default) or 'read_uncommitted'"
+            )
 
         self.handler = handler
         self.topics = list(topics)
@@ -499,8 +514,13 @@ class IdempotentConsumer:
                         fetched.update(
                             await self._kafka.getmany(tp, timeout_ms=0, max_records=self.batch_size)
                         )
-        except aiokafka.errors.KafkaError as exc:
-            if not getattr(exc, "retriable", False):
+        except Exception as exc:
+            failure = decoding.locate(exc)
+            if failure is not None or isinstance(exc, decoding.ERRORS):
+                # aiokafka has already moved other partitions past records it
+                # dropped with this error: going on would skip them.
+                raise await decoding.error(exc, failure, self._kafka, self.group_id) from exc
+            if not isinstance(exc, aiokafka.errors.KafkaError) or not exc.retriable:
                 raise
             log.warning("kafka fetch failed, retrying: %r", exc)
             with contextlib.suppress(TimeoutError):

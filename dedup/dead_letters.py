@@ -1,9 +1,10 @@
 """Dead letters for operators: list them, show one whole, replay them through Kafka.
 
 Replay produces the original record again (same topic and partition, key,
-value and headers in order; a new offset and timestamp), so it goes through the
-consumer's claim path like any delivery: a key that has been applied since is
-counted as a duplicate, not applied twice.  Each dead letter is replayed under
+value and headers in order, nulls kept: a tombstone goes back as a tombstone; a
+new offset and timestamp), so it goes through the consumer's claim path like
+any delivery: a key that has been applied since is counted as a duplicate, not
+applied twice.  Each dead letter is replayed under
 a row lock and marked ``replayed_at`` in the same transaction, after Kafka
 acknowledged the record; a ``replayed`` event records who did it and where the
 copy landed.
@@ -97,10 +98,14 @@ def _whole(record: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _readable(value: bytes | None) -> str | None:
-    """Bytes as text when they are printable UTF-8, else ``base64:...``."""
+NULL = "(null)"
+"""How ``show`` prints a null key, a tombstone's value and a null header value."""
+
+
+def _readable(value: bytes | None) -> str:
+    """Bytes as text when they are printable UTF-8, else ``base64:...``; a null as ``(null)``."""
     if value is None:
-        return None
+        return NULL
     try:
         text = value.decode("utf-8")
     except UnicodeDecodeError:

@@ -8,7 +8,8 @@
     ├── HandlerError           a handler broke the rules of its batch: ran past
     │                          handler_timeout, was cancelled, or tried to end
     │                          dedup's transaction
-    └── MigrationError         the schema could not be brought up to date
+    ├── MigrationError         the schema could not be brought up to date
+    └── UndecodableBatchError  a record batch from Kafka cannot be read; names where
 
 Every error keeps the original exception on ``__cause__``.  ``retriable`` says
 whether trying the same thing again later can succeed.
@@ -63,3 +64,28 @@ class HandlerError(DedupError):
 
 class MigrationError(DedupError):
     """The schema could not be brought up to date."""
+
+
+class UndecodableBatchError(DedupError):
+    """A record batch fetched from Kafka cannot be decoded (a codec missing, corrupt bytes).
+
+    The consumer stops rather than skip records it cannot read.  ``topic`` and
+    ``partition`` name the partition (None when aiokafka did not say which);
+    ``offset`` is the partition's fetch position, where consumption stands;
+    ``batch`` is the undecodable batch's ``(first offset, next offset)`` when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        topic: str | None = None,
+        partition: int | None = None,
+        offset: int | None = None,
+        batch: tuple[int, int] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.batch = batch
+        super().__init__(message)

@@ -21,18 +21,22 @@ class Message:
     offset: int
     """Its offset in the partition."""
     key: bytes | None
-    """The Kafka record key, if any."""
+    """The Kafka record key, if any (``None`` for a null key)."""
     value: bytes
-    """The record value (``b""`` for a tombstone)."""
+    """The record value; ``b""`` for a tombstone (a null value: see ``tombstone``)."""
     headers: dict[str, bytes]
-    """Record headers by name (the last one wins when a name repeats; see ``raw_headers``)."""
+    """Record headers by name, for lookups: the last one wins when a name repeats, and a
+    header whose value is null shows as ``b""``.  ``raw_headers`` has them as they came."""
     timestamp: int
     """The record timestamp, in milliseconds since the epoch."""
     idempotency_key: str = ""
     """The key that makes the message's effect happen once, as stored (set before the
     handler runs; see :func:`dedup.keys.stored`)."""
-    raw_headers: tuple[tuple[str, bytes], ...] = ()
-    """The headers exactly as they came, in order, repeats included."""
+    raw_headers: tuple[tuple[str, bytes | None], ...] = ()
+    """The headers exactly as they came, in order, repeats included; a null value is ``None``."""
+    tombstone: bool = False
+    """True when the record's value was null (a tombstone, e.g. a delete on a compacted topic):
+    ``value`` is then ``b""``, and a dead letter keeps the null."""
     _decoded: Any = field(default=None, repr=False)
 
     def json(self) -> Any:
@@ -50,15 +54,19 @@ class Message:
     def from_record(cls, record: Any) -> Message:
         """Build a message from an ``aiokafka.ConsumerRecord``."""
         raw = tuple(record.headers or ())
+        headers = dict(raw)
+        if None in headers.values():  # rare: keep the lookup dict all bytes
+            headers = {name: b"" if value is None else value for name, value in headers.items()}
         return cls(
             topic=record.topic,
             partition=record.partition,
             offset=record.offset,
             key=record.key,
             value=record.value if record.value is not None else b"",
-            headers=dict(raw),
+            headers=headers,
             timestamp=record.timestamp,
             raw_headers=raw,
+            tombstone=record.value is None,
         )
 
 

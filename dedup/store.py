@@ -298,7 +298,7 @@ class Store:
                     d.msg.offset,
                     d.msg.timestamp,
                     d.msg.key,
-                    d.msg.value,
+                    None if d.msg.tombstone else d.msg.value,  # a tombstone stays null
                     [name for name, _ in d.msg.raw_headers],
                     [value for _, value in d.msg.raw_headers],
                     d.msg.idempotency_key or None,

@@ -7,17 +7,37 @@ wherever the application's providers send them.
 Spans follow the messaging conventions for Kafka (``process <topic>``,
 CONSUMER kind, ``messaging.*`` attributes).  Each state transition is a span
 event named ``dedup.<transition>`` with ``dedup.*`` attributes.
+
+Telemetry never fails a batch: whatever a producer put in its headers, and
+whatever an installed SDK does, a fault here is counted in
+``dedup.telemetry.faults`` (by ``dedup.fault`` kind), logged once per kind, and
+the message is processed as if tracing were off.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context, metrics, propagate, trace
 
+log = logging.getLogger(__name__)
+
 INSTRUMENTATION = "dedup"
+
+MAX_LINKS = 128
+"""Most producer links on one batch span: the SDK's default limit, past which it drops
+links without a word.  dedup stops there and sets ``dedup.links.dropped`` on the span to
+the number of further messages that carried a trace context."""
+MAX_KEY_ATTRIBUTE = 256
+"""Most characters of ``messaging.kafka.message.key``; a longer key is cut."""
+MAX_CONTEXT_HEADER = 4096
+"""Most bytes of a trace context header read for a link; a longer one is a fault."""
+
+Headers = Sequence[tuple[str, "bytes | None"]]
 
 tracer = trace.get_tracer(INSTRUMENTATION)
 meter = metrics.get_meter(INSTRUMENTATION)
@@ -57,6 +77,30 @@ transaction_duration = meter.create_histogram(
 end_to_end_lag = meter.create_histogram(
     "dedup.message.lag", unit="s", description="from the record's timestamp to its commit"
 )
+faults = meter.create_counter(
+    "dedup.telemetry.faults",
+    unit="{fault}",
+    description="telemetry not recorded (a bad trace header, an SDK error); messages went on",
+)
+
+_logged_faults: set[str] = set()
+
+
+def fault(kind: str, what: str, exc: BaseException | None = None) -> None:
+    """Count a telemetry fault of ``kind``; log the first of each kind, the rest at debug."""
+    with contextlib.suppress(Exception):  # a broken meter is one more fault, not an error
+        faults.add(1, {"dedup.fault": kind})
+    if kind in _logged_faults:
+        log.debug("telemetry fault (%s): %s", kind, what)
+        return
+    _logged_faults.add(kind)
+    log.warning(
+        "telemetry fault (%s): %s; the message is processed all the same (logged once per "
+        "kind, counted in dedup.telemetry.faults)",
+        kind,
+        what,
+        exc_info=exc,
+    )
 
 
 def transition(name: str, attributes: Mapping[str, Any] | None = None) -> None:
@@ -66,10 +110,26 @@ def transition(name: str, attributes: Mapping[str, Any] | None = None) -> None:
     are left out.
     """
     span = trace.get_current_span()
-    if not span.is_recording():
-        return
-    attrs = {f"dedup.{k}": v for k, v in (attributes or {}).items() if v is not None}
-    span.add_event(f"dedup.{name}", attrs)
+    try:
+        if not span.is_recording():
+            return
+        attrs = {f"dedup.{k}": v for k, v in (attributes or {}).items() if v is not None}
+        span.add_event(f"dedup.{name}", attrs)
+    except Exception as exc:
+        fault("event", f"span event dedup.{name} not recorded: {exc!r}", exc)
+
+
+@contextlib.contextmanager
+def consumer_span(
+    name: str, attributes: Mapping[str, Any], links: Sequence[trace.Link] = ()
+) -> Iterator[trace.Span]:
+    """A CONSUMER span made current for the block; an SDK that fails leaves no span."""
+    with _ending(_start(name, trace.SpanKind.CONSUMER, attributes, links)) as span:
+        token = context.attach(trace.set_span_in_context(span))
+        try:
+            yield span
+        finally:
+            context.detach(token)
 
 
 @contextlib.contextmanager
@@ -79,19 +139,49 @@ def client_span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Span
     Transitions recorded meanwhile stay on the span the caller is in (the
     ``process <topic>`` span), where a reader of the trace looks for them.
     """
-    span = tracer.start_span(
-        name,
-        kind=trace.SpanKind.CLIENT,
-        attributes={"db.system.name": "postgresql", **attributes},
-    )
+    attributes = {"db.system.name": "postgresql", **attributes}
+    with _ending(_start(name, trace.SpanKind.CLIENT, attributes)) as span:
+        yield span
+
+
+@contextlib.contextmanager
+def _ending(span: trace.Span) -> Iterator[trace.Span]:
+    """Record the block's error on ``span`` and end it; the block's error goes on as it was."""
     try:
         yield span
     except BaseException as exc:
-        span.record_exception(exc)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        _record_error(span, exc)
         raise
     finally:
+        _end(span)
+
+
+def _start(
+    name: str,
+    kind: trace.SpanKind,
+    attributes: Mapping[str, Any],
+    links: Sequence[trace.Link] = (),
+) -> trace.Span:
+    try:
+        return tracer.start_span(name, kind=kind, attributes=attributes, links=links)
+    except Exception as exc:
+        fault("span", f"span {name!r} not started: {exc!r}", exc)
+        return trace.INVALID_SPAN
+
+
+def _record_error(span: trace.Span, exc: BaseException) -> None:
+    try:
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+    except Exception as failed:
+        fault("span", f"error not recorded on a span: {failed!r}", failed)
+
+
+def _end(span: trace.Span) -> None:
+    try:
         span.end()
+    except Exception as exc:
+        fault("span", f"span not ended: {exc!r}", exc)
 
 
 def current_trace_id() -> str | None:
@@ -100,13 +190,78 @@ def current_trace_id() -> str | None:
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
 
 
-def extract_link(headers: Iterable[tuple[str, bytes]]) -> trace.Link | None:
-    """A span link to the producer's context carried in Kafka headers, if any."""
-    carrier = {k.lower(): v.decode("latin-1") for k, v in headers if k.lower() == "traceparent"}
+def extract_link(headers: Headers) -> trace.Link | None:
+    """A span link to the producer's context carried in Kafka headers, if any; never raises.
+
+    The headers read are those the installed propagator knows (``traceparent``
+    and ``tracestate`` by default), the last of a repeated name winning.  A
+    null or oversized value is a ``trace_context`` fault; a value that does not
+    parse is no context, as the propagator has it.
+    """
+    try:
+        return _link(headers, _context_fields())
+    except Exception as exc:
+        fault("propagator", f"trace context not read from headers: {exc!r}", exc)
+        return None
+
+
+def producer_links(each_headers: Iterable[Headers]) -> tuple[list[trace.Link], int]:
+    """Links to the producers' contexts of a batch, at most MAX_LINKS; and how many were left out.
+
+    Past the cap, a message counts as left out when it carries a header the
+    propagator reads (its value is not parsed).
+    """
+    links: list[trace.Link] = []
+    dropped = 0
+    try:
+        fields = _context_fields()
+        for headers in each_headers:
+            if not headers:
+                continue
+            if len(links) < MAX_LINKS:
+                link = _link(headers, fields)
+                if link is not None:
+                    links.append(link)
+            elif any(name.lower() in fields for name, _ in headers):
+                dropped += 1
+    except Exception as exc:
+        fault("propagator", f"producer links not read: {exc!r}", exc)
+    return links, dropped
+
+
+def _context_fields() -> set[str]:
+    """The header names the installed propagator reads, lower case."""
+    return {f.lower() for f in propagate.get_global_textmap().fields}
+
+
+def _link(headers: Headers, fields: set[str]) -> trace.Link | None:
+    carrier: dict[str, str] = {}
+    for name, value in headers:
+        lower = name.lower()
+        if lower not in fields:
+            continue
+        if value is None or len(value) > MAX_CONTEXT_HEADER:
+            size = "null" if value is None else f"{len(value)} bytes"
+            fault("trace_context", f"header {name!r} is not a trace context ({size})")
+            continue
+        carrier[lower] = bytes(value).decode("latin-1")
     if not carrier:
         return None
     span_context = trace.get_current_span(propagate.extract(carrier)).get_span_context()
     return trace.Link(span_context) if span_context.is_valid else None
+
+
+def key_attribute(key: bytes) -> str | None:
+    """``messaging.kafka.message.key``: the key as UTF-8 text, cut to MAX_KEY_ATTRIBUTE characters.
+
+    None for a key that is not UTF-8 text (in its first MAX_KEY_ATTRIBUTE characters).
+    """
+    limit = MAX_KEY_ATTRIBUTE * 4  # bytes enough for that many characters
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(key[:limit], len(key) <= limit)
+    except UnicodeDecodeError:
+        return None
+    return text[:MAX_KEY_ATTRIBUTE]
 
 
 def inject_headers(

@@ -32,7 +32,6 @@ from typing import Any
 
 import asyncpg
 from aiokafka.structs import TopicPartition
-from opentelemetry import trace
 
 from dedup import db, errors, events, keys, lanes, store, telemetry
 from dedup import message as message_
@@ -340,14 +339,14 @@ class PartitionWorker:
             "dedup.token": self.token,
         }
         if batch == 1 and msgs and msgs[0].key is not None:
-            attributes["messaging.kafka.message.key"] = msgs[0].key.decode("utf-8", "replace")
-        links = [
-            link for m in msgs if m.raw_headers and (link := telemetry.extract_link(m.raw_headers))
-        ]
+            key = telemetry.key_attribute(msgs[0].key)
+            if key is not None:
+                attributes["messaging.kafka.message.key"] = key
+        links, dropped = telemetry.producer_links(m.raw_headers for m in msgs)
+        if dropped:
+            attributes["dedup.links.dropped"] = dropped
         started = time.perf_counter()
-        with telemetry.tracer.start_as_current_span(
-            f"process {tp.topic}", kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links
-        ):
+        with telemetry.consumer_span(f"process {tp.topic}", attributes, links):
             conn = await lane.connection()
             with telemetry.client_span(
                 f"BATCH {self._s.store.schema_name}.processed",

@@ -191,7 +191,9 @@ class Topics:
         self.bootstrap_servers = bootstrap_servers
         self.created: list[str] = []
 
-    async def create(self, partitions: int = 1, prefix: str = "t") -> str:
+    async def create(
+        self, partitions: int = 1, prefix: str = "t", config: dict[str, str] | None = None
+    ) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
         try:
@@ -202,7 +204,7 @@ class Topics:
                 pytrace=False,
             )
         try:
-            await admin.create_topics([NewTopic(name, partitions, 1)])
+            await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])
         finally:
             await admin.close()
         self.created.append(name)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,11 +20,17 @@ class ConsumerProcess:
         self.lines: list[str] = []
 
     @classmethod
-    async def start(cls, *args: str) -> ConsumerProcess:
+    async def start(cls, *args: str, hide: Sequence[str] = ()) -> ConsumerProcess:
+        """Start the child; the modules named in ``hide`` fail to import in it."""
+        # `python -c` with runpy is `python -m`, after the hidden modules are blocked.
+        code = (
+            f"import runpy, sys; sys.modules.update(dict.fromkeys({list(hide)!r})); "
+            "runpy.run_module('tests.integration.consumer_process', run_name='__main__')"
+        )
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "tests.integration.consumer_process",
+            "-c",
+            code,
             *args,
             cwd=ROOT,
             stdout=asyncio.subprocess.PIPE,
@@ -70,9 +76,9 @@ class ConsumerProcess:
 
 
 @contextlib.asynccontextmanager
-async def started(*args: str) -> AsyncIterator[ConsumerProcess]:
+async def started(*args: str, hide: Sequence[str] = ()) -> AsyncIterator[ConsumerProcess]:
     """A consumer process that is killed on exit if still running."""
-    child = await ConsumerProcess.start(*args)
+    child = await ConsumerProcess.start(*args, hide=hide)
     try:
         yield child
     finally:

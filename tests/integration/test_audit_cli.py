@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 import dedup
@@ -377,6 +377,57 @@ async def test_replay_to_a_topic_that_is_gone_says_so_and_changes_nothing(
     row = await pool.fetchrow("SELECT replayed_at FROM dedup.dead_letters WHERE id = $1", dead)
     assert row["replayed_at"] is None
     assert await pool.fetchval("SELECT count(*) FROM dedup.events") == 0
+
+
+async def test_a_tombstone_and_a_null_key_are_dead_lettered_and_replayed_as_they_came(
+    dsn: str, pool: Any, bootstrap_servers: str, topics: Topics
+) -> None:
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers)
+    await producer.start()
+    try:
+        # A delete on a compacted topic (no JSON to key it by), and a broken event
+        # with no Kafka key and a header whose value is null.
+        await producer.send_and_wait(topic, None, key=b"acct-9")
+        await producer.send_and_wait(topic, b"{broken", key=None, headers=[("h", None)])
+    finally:
+        await producer.stop()
+    consumer = audit_support.consumer(support.record_effect, topic, bootstrap_servers, pool)
+    async with support.running(consumer):
+        await helpers.wait_for(
+            lambda: _at_least(consumer.stats["dead_lettered"], 2), what="two dead letters"
+        )
+    rows = await pool.fetch('SELECT * FROM dedup.dead_letters ORDER BY "offset"')
+    stored = [(r["key"], r["value"], r["header_names"], r["header_values"]) for r in rows]
+    assert stored == [(b"acct-9", None, [], []), (None, b"{broken", ["h"], [None])]
+    assert rows[0]["reason"].startswith("no idempotency key: invalid JSON")
+
+    shown = run_cli("dead-letters", "show", str(rows[1]["id"]), dsn=dsn)
+    assert "key              (null)" in shown.stdout
+    assert "headers          h=(null)" in shown.stdout
+    env = {"KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers}
+    ids = [str(r["id"]) for r in rows]
+    done = run_cli("dead-letters", "replay", *ids, dsn=dsn, env=env)
+    assert done.returncode == 0, done.stderr
+
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False)
+    await reader.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        reader.assign([tp])
+        reader.seek(tp, 2)
+        copies = [await reader.getone(), await reader.getone()]
+    finally:
+        await reader.stop()
+    assert [(c.key, c.value, list(c.headers)) for c in copies] == [
+        (b"acct-9", None, []),
+        (None, b"{broken", [("h", None)]),
+    ]
+
+
+async def _at_least(value: int, n: int) -> bool:
+    return value >= n
 
 
 def test_replay_without_kafka_is_refused_before_anything_changes(dsn: str) -> None:

@@ -26,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from tests.conftest import ROOT
+from tests.integration.docs_support import console, expected_pattern
 
 PAGES = [ROOT / "docs" / "reference" / "cli.md", ROOT / "docs" / "howto" / "audit-and-purge.md"]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -113,29 +114,6 @@ def blocks(page: Path) -> list[tuple[str, str]]:
     fences = re.findall(r"^```", text, re.MULTILINE)
     assert len(fences) == 2 * len(found), f"{page.name}: a code block without a language"
     return found
-
-
-def console(text: str) -> list[tuple[str, str]]:
-    """(command, expected output) pairs of a console block."""
-    pairs: list[tuple[str, list[str]]] = []
-    for line in text.splitlines():
-        if line.startswith("$ "):
-            pairs.append((line[2:], []))
-        else:
-            assert pairs, f"console block must start with a $ line: {line!r}"
-            pairs[-1][1].append(line)
-    return [(command, "\n".join(out)) for command, out in pairs]
-
-
-def expected_pattern(expected: str) -> re.Pattern[str]:
-    """``...`` alone on a line: any lines; inside a line: anything on that line."""
-    parts = []
-    for line in expected.splitlines():
-        if line == "...":
-            parts.append(r"(?:[^\n]*\n)*?")
-        else:
-            parts.append(".*?".join(map(re.escape, line.split("..."))) + r"\n")
-    return re.compile("".join(parts), re.DOTALL)
 
 
 def shell_env(dsn: str, bootstrap_servers: str) -> dict[str, str]:

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import orjson
+from aiokafka import AIOKafkaProducer
 from opentelemetry import trace
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -132,3 +133,82 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
 
 async def _handled(consumer: dedup.IdempotentConsumer, n: int) -> bool:
     return consumer.stats["messages"] >= n
+
+
+def process_spans(spans: InMemorySpanExporter, topic: str) -> list[Any]:
+    return [s for s in spans.get_finished_spans() if s.name == f"process {topic}"]
+
+
+async def test_a_null_traceparent_is_a_counted_telemetry_fault_not_a_failed_message(
+    bootstrap_servers: str,
+    topics: Topics,
+    pool: Any,
+    spans: InMemorySpanExporter,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    before = counter_totals(metric_reader)
+    headers: list[tuple[str, Any]] = [("traceparent", None)]
+    await helpers.produce(
+        bootstrap_servers, topic, [(b"n1", orjson.dumps({"id": "n1"}))], headers=headers
+    )
+    consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: _handled(consumer, 1), what="the message")
+
+    assert await support.effect_counts(pool) == (1, 1)
+    assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 0
+    assert (consumer.stats["dead_lettered"], consumer.stats["retries"]) == (0, 0)
+    [span] = process_spans(spans, topic)  # one transaction: the batch was never split
+    assert span.status.is_ok and not span.links
+    after = counter_totals(metric_reader)
+    assert after["dedup.telemetry.faults"] - before["dedup.telemetry.faults"] == 1
+
+
+async def test_headers_and_keys_of_any_shape_never_fail_a_message(
+    bootstrap_servers: str,
+    topics: Topics,
+    pool: Any,
+    spans: InMemorySpanExporter,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    with telemetry.tracer.start_as_current_span("upstream", kind=trace.SpanKind.PRODUCER) as up:
+        [traceparent] = telemetry.inject_headers()
+        upstream = up.get_span_context().trace_id
+    shapes: list[tuple[bytes, list[tuple[str, Any]]]] = [
+        (b"\xff\xfe", [("blob", b"\x00\xff"), ("blob", b"again"), ("Trace", b"\xc3")]),
+        (b"k" * 100_000, [("huge", b"x" * 500_000)]),
+        ("ключ".encode(), [("traceparent", b"0" * 10_000)]),
+        (b"plain", [traceparent, ("traceparent", None)]),
+    ]
+    before = counter_totals(metric_reader)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, max_request_size=2**21)
+    await producer.start()
+    try:
+        for n, (key, headers) in enumerate(shapes):
+            value = orjson.dumps({"id": f"s{n}"})
+            await producer.send_and_wait(topic, value, key=key, headers=headers)
+    finally:
+        await producer.stop()
+    consumer = support.consumer(support.record_effect, topic, bootstrap_servers, pool, batch_size=1)
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: _handled(consumer, len(shapes)), what="every message")
+
+    assert await support.effect_counts(pool) == (4, 4)
+    assert consumer.stats["dead_lettered"] == 0
+    by_offset = {s.attributes["messaging.kafka.offset"]: s for s in process_spans(spans, topic)}  # type: ignore[index]
+    keys = [(by_offset[n].attributes or {}).get("messaging.kafka.message.key") for n in range(4)]
+    assert keys == [None, "k" * telemetry.MAX_KEY_ATTRIBUTE, "ключ", "plain"]
+    # The null copy of a repeated traceparent is left out; the readable one is linked.
+    assert [[link.context.trace_id for link in by_offset[n].links] for n in range(4)] == [
+        [],
+        [],
+        [],
+        [upstream],
+    ]
+    after = counter_totals(metric_reader)
+    # The oversized traceparent and the null one; the others are no trace context at all.
+    assert after["dedup.telemetry.faults"] - before["dedup.telemetry.faults"] == 2

@@ -96,6 +96,7 @@ def consumer_with(**overrides: Any) -> dedup.IdempotentConsumer:
         ({"on_conflict": "ignore"}, "on_conflict='ignore'"),
         ({"on_missing_key": "skip"}, "on_missing_key='skip'"),
         ({"enable_auto_commit": True}, "enable_auto_commit=True"),
+        ({"isolation_level": "read_comitted"}, "isolation_level='read_comitted'"),
         ({"auto_ofset_reset": "earliest"}, "auto_ofset_reset"),
         ({"topics": "payments"}, "topics must be a non-empty list"),
         ({"pool": object()}, "exactly one of dsn= or pool="),
