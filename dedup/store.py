@@ -15,6 +15,7 @@ raised, so the caller's transaction rolls back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -223,7 +224,12 @@ class Store:
                 await call_handler(handler(result.applied, tx), conn, handler_timeout)  # type: ignore[arg-type]
             else:
                 for msg in result.applied:
-                    await call_handler(handler(msg, tx), conn, handler_timeout)  # type: ignore[arg-type]
+                    try:
+                        await call_handler(handler(msg, tx), conn, handler_timeout)  # type: ignore[arg-type]
+                    except Exception as exc:
+                        with contextlib.suppress(AttributeError):
+                            exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
+                        raise
 
             telemetry.transition(
                 "applied", {"namespace": self.namespace, "count": len(result.applied)}
@@ -364,6 +370,12 @@ async def call_handler(
         raise errors.HandlerError(
             f"the handler did not finish within handler_timeout={deadline_s:g}s; it was cancelled"
         ) from exc
+    except asyncpg.InterfaceError as exc:
+        if conn.is_closed():
+            raise  # the connection was lost: retried like any outage
+        # The handler misused the connection (a nested transaction of another
+        # isolation level, say): its fault, not an outage to retry forever.
+        raise errors.HandlerError(f"the handler misused its connection: {exc}") from exc
     except asyncio.CancelledError as exc:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -373,6 +385,12 @@ async def call_handler(
             "(a timeout or a cancelled call inside the handler?)"
         ) from exc
     guard.check_open(conn)
+
+
+def failed_offset(exc: BaseException) -> int | None:
+    """The offset of the message whose (per-message) handler raised ``exc``, if known."""
+    offset = getattr(exc, "_dedup_offset", None)
+    return offset if isinstance(offset, int) else None
 
 
 def describe(value: Any) -> str:

@@ -255,12 +255,20 @@ class PartitionWorker:
         if failure is None:
             return
         if len(msgs) > 1:
-            half = len(msgs) // 2
-            left, right = msgs[:half], msgs[half:]
-            split_at = right[0].offset
             log.info("handler failed on a batch of %d from %s; splitting", len(msgs), self.tp)
-            await self._apply_isolating(lane, left, [d for d in dead if d.msg.offset < split_at])
-            await self._apply_isolating(lane, right, [d for d in dead if d.msg.offset >= split_at])
+            parts = _split(msgs, store.failed_offset(failure))
+            # Each part takes the dead letters from its first offset up to the next part's.
+            bounds = [p[0].offset for p in parts[1:]]
+            for i, part in enumerate(parts):
+                low = bounds[i - 1] if i else None
+                high = bounds[i] if i < len(bounds) else None
+                part_dead = [
+                    d
+                    for d in dead
+                    if (low is None or d.msg.offset >= low)
+                    and (high is None or d.msg.offset < high)
+                ]
+                await self._apply_isolating(lane, part, part_dead)
             return
         msg = msgs[0]
         for attempt in range(2, self._s.max_attempts + 1):
@@ -425,6 +433,15 @@ class PartitionWorker:
         except TimeoutError:
             return True
         return False
+
+
+def _split(msgs: list[message_.Message], culprit: int | None) -> list[list[message_.Message]]:
+    """Halves of a failed batch, or (when the failing message is known) before, it, after."""
+    at = next((i for i, m in enumerate(msgs) if m.offset == culprit), None)
+    if at is None:
+        half = len(msgs) // 2
+        return [msgs[:half], msgs[half:]]
+    return [part for part in (msgs[:at], msgs[at : at + 1], msgs[at + 1 :]) if part]
 
 
 def take_key(

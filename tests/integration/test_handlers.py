@@ -233,7 +233,7 @@ async def test_a_handler_past_handler_timeout_is_cancelled_and_dead_lettered(
             raise
 
     consumer = support.consumer(
-        misbehaving("m2", hang), topic, bootstrap_servers, pool, handler_timeout=0.3
+        misbehaving("m2", hang), topic, bootstrap_servers, pool, handler_timeout=0.3, batch_size=1
     )
     await run_until_settled(consumer, pool, topic, 5)
     assert len(cancelled) == 3, "tried max_attempts times, cancelled each time"
