@@ -41,6 +41,9 @@ async def main(args: argparse.Namespace) -> None:
         if args.hold:
             say(f"IN_BATCH {msgs[0].partition} {msgs[0].offset} {tx.token}")
             await asyncio.sleep(args.hold)
+        if args.hang:
+            say(f"HUNG {msgs[0].partition} {msgs[0].offset} {tx.token}")
+            await asyncio.Event().wait()
 
     consumer = dedup.IdempotentConsumer(
         handler,
@@ -55,6 +58,11 @@ async def main(args: argparse.Namespace) -> None:
         heartbeat_interval_ms=max(args.session_timeout_ms // 6, 100),
         max_poll_interval_ms=args.max_poll_interval_ms,
         holder=args.holder,
+        shutdown_timeout=args.shutdown_timeout,
+        # The server cuts a paused process's session after --idle-timeout-ms; the
+        # handler's deadline stays inside it.
+        handler_timeout=args.handler_timeout
+        or max(args.idle_timeout_ms / 1000 - dedup.consumer.IDLE_MARGIN, 0.5),
     )
     say(f"READY {consumer.holder}")
     try:
@@ -73,6 +81,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--holder")
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--hang", action="store_true", help="every batch's handler hangs")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--handler-timeout", type=float, default=None)
     p.add_argument("--idle-timeout-ms", type=int, default=3000)
     p.add_argument("--session-timeout-ms", type=int, default=3000)
     p.add_argument("--max-poll-interval-ms", type=int, default=300_000)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ import dedup
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support
+from tests.integration import processes
 
 
 def item(i: int, **extra: Any) -> bytes:
@@ -404,3 +406,35 @@ async def _equals(probe: Any, want: Any) -> bool:
 
 async def _count(pool: Any, sql: str, want: int) -> bool:
     return int(await pool.fetchval(sql)) >= want
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+async def test_sigterm_with_a_hung_handler_exits_within_shutdown_timeout(
+    second_signal: bool, bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
+) -> None:
+    topic = await topics.create()
+    await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(5)])
+    args = [
+        *("--dsn", dsn, "--bootstrap-servers", bootstrap_servers, "--topic", topic),
+        *("--group", f"g-{topic}", "--hang", "--shutdown-timeout", "4"),
+        *("--handler-timeout", "120"),
+    ]
+    async with processes.started(*args) as child:
+        await child.expect("HUNG", within=60)
+        started = time.monotonic()
+        child.signal(signal.SIGTERM)
+        if second_signal:
+            await asyncio.sleep(0.2)  # the first signal is being handled: now the second
+            child.signal(signal.SIGINT)
+        code = await asyncio.wait_for(child.proc.wait(), 4 + 5)
+        took = time.monotonic() - started
+        stderr = (await child.proc.stderr.read()).decode()  # type: ignore[union-attr]
+    assert code == 0, stderr[-2000:]
+    if second_signal:
+        assert took < 3.5, f"the second signal cuts at once ({took:.1f}s)"
+    else:
+        assert took >= 3.5, "the batch in flight had its shutdown_timeout"
+    assert "cutting the batches in flight of" in stderr and f"{topic}" in stderr
+    # The hung batch rolled back: nothing applied, the offset not moved.
+    assert await pool.fetchval("SELECT count(*) FROM effects") == 0
+    assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == 0
