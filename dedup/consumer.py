@@ -4,7 +4,16 @@ One Postgres transaction per batch of one partition (see :mod:`dedup.store`):
 fence + claim, handler on the fresh keys, dead letters and events, COMMIT; the
 offset lives in Postgres in that same transaction.  Kafka offsets are committed
 afterwards, every ``kafka_commit_interval`` seconds, for lag tools only: on
-assignment the consumer seeks to the offset stored in Postgres.
+assignment the consumer seeks to the offset stored in Postgres, and once after
+each assignment it writes that offset to Kafka, whatever Kafka held.
+
+The stored offset follows Kafka's fetch position, not just the last record
+handled: Kafka hands out no transaction markers and, under ``read_committed``,
+no records of aborted transactions, yet its position moves past them; when it
+does, the stored offset moves there too (under the fence), so a caught-up group
+shows no lag.  ``dedup offsets rewind|skip`` moves a partition by taking it with
+a new token; the consumer finds that within ``kafka_commit_interval`` and takes
+the partition back from the offset the operator set.
 
 Partitions are independent, so up to ``concurrency`` of them run their
 transactions at once, each on a connection of its own (a *lane*); a partition's
@@ -18,7 +27,9 @@ Failure handling, in order of preference:
   alone (no SAVEPOINT per message on the happy path), retries it
   ``max_attempts`` times, then dead-letters it whole; the partition moves on;
 - a stale fencing token (another owner took the partition) rolls the batch
-  back and stops work on that partition until Kafka assigns it again.
+  back and stops work on that partition until Kafka assigns it again; when the
+  newer token is an operator's (``dedup offsets``), the consumer takes the
+  partition back at once, from the offset the operator set.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import aiokafka.errors
 import asyncpg
 from aiokafka.structs import TopicPartition
 
-from dedup import db, decoding, errors, events, keys, store, telemetry
+from dedup import db, decoding, errors, events, keys, offsets, store, telemetry
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -249,6 +260,7 @@ class IdempotentConsumer:
         self._lanes: list[_Lane] = []
         self._idle: asyncio.Queue[_Lane] = asyncio.Queue()
         self._last_kafka_commit = 0.0
+        self._last_owner_check = 0.0
         self._database = ""
 
     @property
@@ -403,6 +415,9 @@ class IdempotentConsumer:
                             group.create_task(self._process_partition(tp, records))
                 except BaseExceptionGroup as failed:
                     raise failed.exceptions[0] from None
+            # Nothing is in flight now: every record fetched is applied.
+            await self._follow_fetch_positions()
+            await self._check_owners()
         await self._commit_kafka()
 
     async def _process_partition(self, tp: TopicPartition, records: Sequence[Any]) -> None:
@@ -441,16 +456,14 @@ class IdempotentConsumer:
                 try:
                     await self._apply_isolating(lane, tp, part, msgs, dead)
                 except errors.StaleTokenError as exc:
-                    landed = await self._landed(lane, tp, part)
-                    if landed is None:
-                        await self._lose(lane, tp, part, exc)
+                    if not await self._refused(lane, tp, part, exc):
                         return False
                 else:
                     return True
                 # Our own earlier COMMIT went through though its answer was lost:
                 # carry on from where it left the partition.
-                log.info("%s: a batch committed in doubt had landed; resuming at %d", tp, landed)
-                part.expected = landed
+                landed = part.expected
+                assert landed is not None  # noqa: S101 (_refused set it)
                 msgs = [m for m in msgs if m.offset >= landed]
                 dead = [d for d in dead if d.msg.offset >= landed]
                 if not msgs and not dead:
@@ -466,24 +479,110 @@ class IdempotentConsumer:
                     return False  # stopping: the batch rolled back and will be redelivered
                 delay = min(delay * 2, MAX_BACKOFF)
 
-    async def _landed(self, lane: _Lane, tp: TopicPartition, part: _Partition) -> int | None:
-        """The partition's offset if our token still holds it and it moved past ours.
+    async def _refused(
+        self, lane: _Lane, tp: TopicPartition, part: _Partition, exc: errors.StaleTokenError
+    ) -> bool:
+        """The fence refused a write: True if ``tp`` is still ours from ``part.expected``.
 
-        A fence fails either because a newer owner took the partition (then
-        None) or because a COMMIT of ours succeeded on the server but its answer
-        never came back, so the retry fenced on the old offset (then the offset
-        that COMMIT moved it to).
+        A fence fails for one of three reasons:
+
+        - a COMMIT of ours succeeded on the server but its answer never came
+          back, so the retry fenced on the old offset: our token still holds
+          the partition, at a later offset (True, ``part.expected`` moved there);
+        - an operator's ``dedup offsets`` moved the partition while Kafka still
+          assigns it to us: take it back from the offset it set (False: the
+          records fetched before belong to the old position);
+        - another consumer took it: stop until Kafka assigns it to us again.
         """
         conn = await lane.connection()
-        position = await self.store.position(conn, self.group_id, tp.topic, tp.partition)
-        if position is None:
-            return None
-        token, next_offset = position
-        if token != part.token or next_offset is None:
-            return None
-        if part.expected is not None and next_offset <= part.expected:
-            return None
-        return next_offset
+        now = await self.store.position(conn, self.group_id, tp.topic, tp.partition)
+        if now is None:
+            await self._lose(lane, tp, part, exc)
+            return False
+        if now.token == part.token:
+            if now.next_offset is not None and (
+                part.expected is None or now.next_offset > part.expected
+            ):
+                log.info("%s: a write in doubt had landed; resuming at %d", tp, now.next_offset)
+                part.expected = now.next_offset
+                return True
+        elif offsets.is_operator(now.holder) and tp in self._kafka.assignment():
+            await self._retake(lane, tp, now)
+            return False
+        await self._lose(lane, tp, part, exc)
+        return False
+
+    async def _follow_fetch_positions(self) -> None:
+        """Store Kafka's fetch position where it passed records we were never handed.
+
+        Transaction markers, records of aborted transactions (under
+        ``read_committed``) and compacted gaps move aiokafka's position without
+        reaching ``getmany``'s answer, sometimes in a fetch of their own.  Called
+        when no batch is in flight, so every record fetched is applied and a
+        position beyond ``part.expected`` holds nothing to apply.  On a topic
+        without transactions the position equals ``part.expected``: no round trip.
+        """
+        if self._stopping.is_set():
+            return
+        for tp, part in list(self._owned.items()):
+            position = _fetch_position(self._kafka, tp)
+            if position is None or (part.expected is not None and position <= part.expected):
+                continue
+            lane = await self._idle.get()
+            try:
+                await self._advance(lane, tp, part, position)
+            finally:
+                self._idle.put_nowait(lane)
+
+    async def _advance(self, lane: _Lane, tp: TopicPartition, part: _Partition, to: int) -> None:
+        """Store ``to`` as ``tp``'s offset under the fence; on failure the next poll tries again."""
+        fence = store.Fence(self.group_id, part.token, part.expected)
+        try:
+            try:
+                conn = await lane.connection()
+                await self.store.advance(conn, fence, tp.topic, tp.partition, to)
+            except errors.StaleTokenError as exc:
+                await self._refused(lane, tp, part, exc)
+                return
+        except Exception as exc:
+            if not db.is_retriable(exc):
+                raise
+            log.warning("moving the offset of %s to %d failed (%r); trying again", tp, to, exc)
+            await lane.release()
+            return
+        log.debug("%s: offset moves past records not handed out, to %d", tp, to)
+        part.expected = to
+
+    async def _check_owners(self) -> None:
+        """Every ``kafka_commit_interval``, look for partitions of ours taken in Postgres.
+
+        A busy partition learns of a newer token from its next batch's fence; an
+        idle one would not until a message came, so an operator's ``dedup
+        offsets rewind`` would wait for traffic.  One statement for all partitions.
+        """
+        now = time.monotonic()
+        if not self._owned or now - self._last_owner_check < self.kafka_commit_interval:
+            return
+        self._last_owner_check = now
+        lane = await self._idle.get()
+        try:
+            conn = await lane.connection()
+            stored = await self.store.positions(
+                conn, self.group_id, [(tp.topic, tp.partition) for tp in self._owned]
+            )
+            for tp, part in list(self._owned.items()):
+                found = stored.get((tp.topic, tp.partition))
+                if found is not None and found.token != part.token:
+                    resource = f"{self.group_id}:{tp.topic}:{tp.partition}"
+                    stale = errors.StaleTokenError(resource, part.token)
+                    await self._refused(lane, tp, part, stale)
+        except Exception as exc:
+            if not db.is_retriable(exc):
+                raise
+            log.warning("checking partition owners failed (%r); trying again", exc)
+            await lane.release()
+        finally:
+            self._idle.put_nowait(lane)
 
     async def _apply_isolating(
         self,
@@ -643,12 +742,7 @@ class IdempotentConsumer:
             delay = 0.1
             while True:
                 try:
-                    conn = await self._lanes[0].connection()  # no batch runs now
-                    async with conn.transaction():
-                        await conn.execute(f"SET LOCAL lock_timeout = '{TAKEOVER_LOCK_TIMEOUT}'")
-                        taken = await self.store.take_partitions(
-                            conn, self.group_id, self.holder, wanted
-                        )
+                    taken = await self._take_rows(self._lanes[0], wanted)  # no batch runs now
                     break
                 except Exception as exc:
                     if not db.is_retriable(exc) or self._stopping.is_set():
@@ -659,12 +753,35 @@ class IdempotentConsumer:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, MAX_BACKOFF)
             for tp in assigned:
-                token, next_offset = taken[(tp.topic, tp.partition)]
-                self._owned[tp] = _Partition(token, next_offset, next_offset)
-                if next_offset is not None:
-                    self._kafka.seek(tp, next_offset)
-                if tp in self._kafka.paused():
-                    self._kafka.resume(tp)
+                self._own(tp, *taken[(tp.topic, tp.partition)])
+
+    async def _take_rows(
+        self, lane: _Lane, wanted: list[tuple[str, int]]
+    ) -> dict[tuple[str, int], tuple[int, int | None]]:
+        conn = await lane.connection()
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = '{TAKEOVER_LOCK_TIMEOUT}'")
+            return await self.store.take_partitions(conn, self.group_id, self.holder, wanted)
+
+    def _own(self, tp: TopicPartition, token: int, next_offset: int | None) -> None:
+        """Hold ``tp`` under ``token`` from the stored offset; Kafka gets it at the next commit."""
+        self._owned[tp] = _Partition(token, next_offset)
+        if next_offset is not None:
+            self._kafka.seek(tp, next_offset)
+        if tp in self._kafka.paused():
+            self._kafka.resume(tp)
+
+    async def _retake(self, lane: _Lane, tp: TopicPartition, moved: store.Position) -> None:
+        """``dedup offsets`` moved ``tp``: take it with a new token, from the offset it set."""
+        log.info(
+            "consumer %s: %s was moved to offset %s by %r; taking it back",
+            self.holder,
+            tp,
+            moved.next_offset,
+            moved.holder,
+        )
+        taken = await self._take_rows(lane, [(tp.topic, tp.partition)])
+        self._own(tp, *taken[(tp.topic, tp.partition)])
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         async with self._work:  # waits for the batch in flight to commit or roll back
@@ -714,21 +831,21 @@ class IdempotentConsumer:
         if not force and now - self._last_kafka_commit < self.kafka_commit_interval:
             return
         self._last_kafka_commit = now
-        offsets = {
-            tp: part.expected
+        due = {
+            tp: (part, part.expected)
             for tp, part in self._owned.items()
             if part.expected is not None and part.expected != part.committed_to_kafka
         }
-        if not offsets:
+        if not due:
             return
         try:
-            await self._kafka.commit(offsets)
+            await self._kafka.commit({tp: offset for tp, (_, offset) in due.items()})
         except (aiokafka.errors.CommitFailedError, aiokafka.errors.IllegalStateError) as exc:
             log.info("kafka offset commit skipped: %r", exc)
             return
-        for tp, offset in offsets.items():
-            if tp in self._owned:
-                self._owned[tp].committed_to_kafka = offset
+        for part, offset in due.values():
+            # A partition taken again meanwhile is a new _Partition: its commit is still due.
+            part.committed_to_kafka = offset
 
     # ------------------------------------------------------------- plumbing --
 
@@ -739,6 +856,22 @@ class IdempotentConsumer:
         except TimeoutError:
             return True
         return False
+
+
+def _fetch_position(kafka: Any, tp: TopicPartition) -> int | None:
+    """aiokafka's fetch position of ``tp`` when it knows it, else None; never waits.
+
+    ``AIOKafkaConsumer.position()`` waits (up to ``request_timeout_ms``) while
+    the position is looked up after an assignment or a reset, and the poll loop
+    must not; so this reads the subscription state ``position()`` reads.
+    """
+    try:
+        state = kafka._subscription.subscription.assignment.state_value(tp)
+    except AttributeError:  # not assigned (subscription or assignment is None)
+        return None
+    if state is None or not state.has_valid_position:
+        return None
+    return int(state.position)
 
 
 def _pool_size(pool: Any) -> int:
