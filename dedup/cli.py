@@ -29,6 +29,7 @@ from dedup import (
     dead_letters,
     errors,
     migrations,
+    offsets,
     reconciliation,
     report,
     retention,
@@ -465,6 +466,110 @@ def _add_purge(sub: Any) -> None:
     p.set_defaults(func=_purge)
 
 
+# --- offsets: where a consumer group stands in Postgres, and moving it ---------------
+
+
+def _kafka_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "--bootstrap-servers",
+        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
+        help=f"{help} (default: $KAFKA_BOOTSTRAP_SERVERS)",
+    )
+
+
+async def _offsets_show(args: argparse.Namespace) -> int:
+    query = offsets.ShowQuery(group=args.group, topic=args.topic, limit=args.limit)
+    offsets.quiet_aiokafka()
+    async with _connection(args) as conn:
+        if not args.bootstrap_servers:
+            return _show(await offsets.show(conn, args.schema, query, None), args)
+        async with offsets.Kafka(args.bootstrap_servers) as kafka:
+            return _show(await offsets.show(conn, args.schema, query, kafka), args)
+
+
+async def _offsets_move(args: argparse.Namespace) -> int:
+    request = offsets.Move(
+        action=args.offsets_command,
+        group=args.group,
+        topic=args.topic,
+        partitions=sorted(set(args.partition or ())),
+        to_offset=args.to_offset,
+        to_time=args.to_time,
+        yes=args.yes,
+        who=args.holder,
+    )
+    request.check()
+    if not args.bootstrap_servers:
+        raise errors.ConfigurationError(
+            f"`offsets {args.offsets_command}` needs Kafka to check that the group is stopped, "
+            "to find the partitions' offsets and to write Kafka's committed offsets: pass "
+            "--bootstrap-servers host:port or set KAFKA_BOOTSTRAP_SERVERS"
+        )
+    offsets.quiet_aiokafka()
+    async with _connection(args) as conn, offsets.Kafka(args.bootstrap_servers) as kafka:
+        done, note = await offsets.move(conn, args.schema, request, kafka)
+    print(done.render(args.format), flush=True)  # before the note, on a terminal too
+    if note:
+        print(f"dedup offsets {args.offsets_command}: {note}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _add_offsets(sub: Any) -> None:
+    group = sub.add_parser(
+        "offsets",
+        help="show, rewind or skip a consumer group's offsets (Postgres holds them)",
+        description="A dedup consumer resumes from the offsets in Postgres, not Kafka's: "
+        "rewind and skip here, not with kafka-consumer-groups --reset-offsets.",
+    )
+    commands = group.add_subparsers(dest="offsets_command", required=True, metavar="ACTION")
+    p = commands.add_parser(
+        "show",
+        help="each partition's stored offset, holder and token; Kafka's end offset and lag",
+        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    )
+    p.add_argument("--group", help="the consumer group (default: all)")
+    p.add_argument("--topic", help="the topic (default: all)")
+    _kafka_option(p, "Kafka, for end offsets and lag; '' for none")
+    _output(p)
+    p.set_defaults(func=_offsets_show)
+
+    for action, what in (
+        (
+            "rewind",
+            "move back: the messages are offered again (duplicates unless their keys are purged)",
+        ),
+        ("skip", "move forward: the messages in between are never applied"),
+    ):
+        p = commands.add_parser(
+            action,
+            help=what,
+            description=f"{what[0].upper()}{what[1:]}. Fences out a running owner (new token) "
+            "and records an event. Exit codes: 0 done, 1 refused (the group has members and "
+            "no --yes) or Kafka/Postgres unavailable, 2 bad usage.",
+        )
+        p.add_argument("--group", required=True, help="the consumer group")
+        p.add_argument("--topic", required=True, help="the topic")
+        p.add_argument(
+            "--partition",
+            type=_integer(0),
+            action="append",
+            help="a partition (repeatable; default: every partition of the topic)",
+        )
+        to = p.add_mutually_exclusive_group(required=True)
+        to.add_argument("--to-offset", type=_integer(0), help="the next offset to consume")
+        to.add_argument(
+            "--to-time",
+            type=_TIME,
+            help="the first record at or after this time (ISO 8601, or 2h, 7d ago); "
+            "the end of a partition with none",
+        )
+        p.add_argument("--yes", action="store_true", help="go ahead although the group has members")
+        p.add_argument("--holder", help="who moves it, for the events table (default: user@host)")
+        _kafka_option(p, "Kafka")
+        _output(p, limit=False)
+        p.set_defaults(func=_offsets_move)
+
+
 # --- run, reconcile: the bundled services and the reconciliation layer -----------------
 
 
@@ -601,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=_task_run)
 
-    for add in (_add_audit, _add_events, _add_dead_letters, _add_purge):
+    for add in (_add_audit, _add_events, _add_dead_letters, _add_purge, _add_offsets):
         add(sub)
     _add_run(sub)
     _add_reconcile(sub)

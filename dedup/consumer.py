@@ -5,14 +5,23 @@ The consumer has three jobs, each in one place:
 - **assignment and fetching** (this module): the rebalance listener takes the
   assigned partitions in Postgres with fresh fencing tokens and seeks to the
   offsets stored there; the fetch loop hands each partition's records to its
-  worker and pauses a partition in the fetcher while its worker has enough;
+  worker, and fetches only for the workers that have room (a busy partition's
+  records wait in aiokafka's fetch buffer; when every worker is busy, the
+  partitions are paused in the fetcher until one has room);
 - **applying** (:mod:`dedup.worker`): one worker per owned partition applies
   its records batch after batch, one Postgres transaction each (see
   :mod:`dedup.store`), on a connection lent by :mod:`dedup.lanes`; workers run
   side by side, so one partition's slow or hung handler never holds up another;
-- **offset commits to Kafka** (``_commit_kafka``): every
-  ``kafka_commit_interval`` seconds, for lag tools only.  Postgres holds the
-  authoritative offset, in the batch's own transaction.
+- **offsets** (``_commit_kafka``, ``_follow_fetch_positions``,
+  ``_check_owners``): Postgres holds the authoritative offset, moved in each
+  batch's own transaction.  Kafka's committed offset follows it every
+  ``kafka_commit_interval`` seconds, for lag tools only, and once after every
+  assignment whatever Kafka held.  The stored offset follows Kafka's fetch
+  position where that passes records never handed out (transaction markers,
+  aborted transactions), so a caught-up group shows no lag.  ``dedup offsets
+  rewind|skip`` moves a partition by taking it with a new token; the consumer
+  finds that within ``kafka_commit_interval`` (or at its next batch's fence)
+  and takes the partition back from the offset the operator set.
 
 Shutdown is bounded: SIGTERM, SIGINT or :meth:`IdempotentConsumer.stop` let the
 batches in flight finish for ``shutdown_timeout`` seconds, then cancel them
@@ -258,6 +267,7 @@ class IdempotentConsumer:
         self._lanes: lanes.Lanes | None = None
         self._settings: worker.Settings | None = None
         self._last_kafka_commit = 0.0
+        self._last_owner_check = 0.0
 
     @property
     def stats(self) -> Mapping[str, int]:
@@ -478,12 +488,14 @@ class IdempotentConsumer:
 
     async def _consume(self) -> None:
         while not self._stopping.is_set():
-            self._check_workers()
+            await self._check_workers()
             fetched = await self._fetch()
             for tp, records in fetched.items():
                 owner = self._workers.get(tp)
                 if owner is not None:  # else revoked or lost since the fetch
                     owner.feed(records)
+            self._follow_fetch_positions()
+            await self._check_owners()
             await self._commit_kafka()
 
     def _has_room(self, tp: TopicPartition) -> None:
@@ -528,22 +540,71 @@ class IdempotentConsumer:
             return {}
         return fetched
 
-    def _check_workers(self) -> None:
-        """Drop the workers that lost their partition; raise what stopped any other."""
+    async def _check_workers(self) -> None:
+        """Drop the workers whose partition was taken (taking it back from an operator);
+        raise what stopped any other."""
         for tp, owner in list(self._workers.items()):
             task = owner.task
             if task is None or not task.done():
                 continue
-            if owner.lost is not None:
+            if owner.moved is not None or owner.lost is not None:
                 del self._workers[tp]
                 self._held.discard(tp)
-                self._kafka.pause(tp)  # until Kafka assigns it again
+                if owner.moved is not None and tp in self._kafka.assignment():
+                    await self._retake(tp, owner.moved)
+                else:
+                    self._kafka.pause(tp)  # until Kafka assigns it again
                 continue
             if task.cancelled():
                 raise errors.DedupError(f"the worker of {tp} was cancelled")
             failure = task.exception()
             if failure is not None:
                 raise failure
+
+    def _follow_fetch_positions(self) -> None:
+        """Have idle workers store Kafka's fetch position where it passed records never handed out.
+
+        Transaction markers and records of aborted transactions (under
+        ``read_committed``) move aiokafka's position without reaching
+        ``getmany``'s answer.  An idle worker has applied every record fetched,
+        so a position beyond its offset holds nothing to apply.  On a topic
+        without transactions the two are equal: no round trip.
+        """
+        for tp, owner in self._workers.items():
+            if not owner.idle:
+                continue
+            position = _fetch_position(self._kafka, tp)
+            if position is not None and (owner.expected is None or position > owner.expected):
+                owner.follow(position)
+
+    async def _check_owners(self) -> None:
+        """Every ``kafka_commit_interval``, look for partitions of ours taken in Postgres.
+
+        A busy partition learns of a newer token from its next batch's fence; an
+        idle one would not until a message came, so an operator's ``dedup
+        offsets rewind`` would wait for traffic.  One statement for all partitions.
+        """
+        now = time.monotonic()
+        if not self._workers or now - self._last_owner_check < self.kafka_commit_interval:
+            return
+        self._last_owner_check = now
+        assert self._lanes is not None  # noqa: S101 - started
+        async with self._lanes.lane() as lane:
+            try:
+                conn = await lane.connection()
+                stored = await self.store.positions(
+                    conn, self.group_id, [(tp.topic, tp.partition) for tp in self._workers]
+                )
+            except Exception as exc:
+                if not db.is_retriable(exc):
+                    raise
+                log.warning("checking partition owners failed (%r); trying again", exc)
+                await lane.release()
+                return
+        for tp, owner in self._workers.items():
+            found = stored.get((tp.topic, tp.partition))
+            if found is not None and found.token > owner.token:  # tokens only grow
+                owner.taken_over(found)
 
     # ------------------------------------------------------------ ownership --
 
@@ -558,24 +619,40 @@ class IdempotentConsumer:
             "dedup assign", attributes={"messaging.consumer.group.name": self.group_id}
         ):
             taken = await self._take(wanted)
-        assert self._lanes is not None and self._settings is not None  # noqa: S101 - started
         for tp in assigned:
-            token, next_offset = taken[(tp.topic, tp.partition)]
-            owner = worker.PartitionWorker(
-                tp,
-                token,
-                next_offset,
-                settings=self._settings,
-                lanes=self._lanes,
-                stats=self._stats,
-                on_room=self._has_room,
-            )
-            self._workers[tp] = owner
-            if next_offset is not None:
-                self._kafka.seek(tp, next_offset)
-            self._kafka.resume(tp)
-            owner.start()
+            self._own(tp, *taken[(tp.topic, tp.partition)])
         log.info("consumer %s took %s", self.holder, wanted)
+
+    def _own(self, tp: TopicPartition, token: int, next_offset: int | None) -> None:
+        """Work on ``tp`` under ``token`` from the stored offset (Kafka hears of it next commit)."""
+        assert self._lanes is not None and self._settings is not None  # noqa: S101 - started
+        owner = worker.PartitionWorker(
+            tp,
+            token,
+            next_offset,
+            settings=self._settings,
+            lanes=self._lanes,
+            stats=self._stats,
+            on_room=self._has_room,
+        )
+        self._workers[tp] = owner
+        if next_offset is not None:
+            self._kafka.seek(tp, next_offset)
+        self._kafka.resume(tp)
+        owner.start()
+
+    async def _retake(self, tp: TopicPartition, moved: store.Position) -> None:
+        """``dedup offsets`` moved ``tp``: take it with a new token, from the offset it set."""
+        log.info(
+            "consumer %s: %s was moved to offset %s by %r; taking it back",
+            self.holder,
+            tp,
+            moved.next_offset,
+            moved.holder,
+        )
+        self._kafka.pause(tp)  # records fetched from the old position must not reach a worker
+        taken = await self._take([(tp.topic, tp.partition)])
+        self._own(tp, *taken[(tp.topic, tp.partition)])
 
     async def _take(
         self, wanted: list[tuple[str, int]]
@@ -629,21 +706,37 @@ class IdempotentConsumer:
         if not force and now - self._last_kafka_commit < self.kafka_commit_interval:
             return
         self._last_kafka_commit = now
-        offsets = {
-            tp: owner.expected
+        due = {
+            tp: (owner, owner.expected)
             for tp, owner in self._workers.items()
             if owner.expected is not None and owner.expected != owner.committed_to_kafka
         }
-        if not offsets:
+        if not due:
             return
         try:
-            await self._kafka.commit(offsets)
+            await self._kafka.commit({tp: offset for tp, (_, offset) in due.items()})
         except (aiokafka.errors.CommitFailedError, aiokafka.errors.IllegalStateError) as exc:
             log.info("kafka offset commit skipped: %r", exc)
             return
-        for tp, offset in offsets.items():
-            if tp in self._workers:
-                self._workers[tp].committed_to_kafka = offset
+        for owner, offset in due.values():
+            # A partition taken again meanwhile has a new worker: its commit is still due.
+            owner.committed_to_kafka = offset
+
+
+def _fetch_position(kafka: Any, tp: TopicPartition) -> int | None:
+    """aiokafka's fetch position of ``tp`` when it knows it, else None; never waits.
+
+    ``AIOKafkaConsumer.position()`` waits (up to ``request_timeout_ms``) while
+    the position is looked up after an assignment or a reset, and the poll loop
+    must not; so this reads the subscription state ``position()`` reads.
+    """
+    try:
+        state = kafka._subscription.subscription.assignment.state_value(tp)
+    except AttributeError:  # not assigned (subscription or assignment is None)
+        return None
+    if state is None or not state.has_valid_position:
+        return None
+    return int(state.position)
 
 
 def _pool_size(pool: Any) -> int:

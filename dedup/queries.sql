@@ -18,9 +18,29 @@ RETURNING topic, "partition", token, next_offset
 
 -- name: partition_position
 -- Who holds a partition and where its offset stands: after a COMMIT whose answer
--- was lost, this tells whether the batch landed.
-SELECT token, next_offset FROM {schema}.partitions
+-- was lost, this tells whether the batch landed; after a refused fence, who
+-- took the partition (another consumer, or `dedup offsets`).
+SELECT holder, token, next_offset FROM {schema}.partitions
  WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+
+-- name: partition_positions
+-- The same for every partition a consumer holds ($2 topics, $3 partitions), in
+-- one statement: an idle consumer looks every kafka_commit_interval.
+SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
+  FROM {schema}.partitions AS p
+  JOIN unnest($2::text[], $3::int[]) AS x(t, part) ON p.topic = x.t AND p."partition" = x.part
+ WHERE p.group_id = $1
+
+-- name: advance_partition
+-- Move the offset past records the consumer was never handed (transaction
+-- markers, records of aborted transactions, compacted gaps) under the batch's
+-- fence: only while this token is current and the offset is where this holder
+-- left it.  No keys are claimed.  $1 group, $2 topic, $3 partition, $4 new
+-- next_offset, $5 token, $6 expected next_offset.
+UPDATE {schema}.partitions
+   SET next_offset = $4, updated_at = now()
+ WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+   AND token = $5 AND next_offset IS NOT DISTINCT FROM $6
 
 -- name: fence_and_claim
 -- One round trip for steps 1 and 2 of a batch.  The fence moves the partition's
@@ -250,6 +270,35 @@ SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_stat
    AND at < coalesce($7::timestamptz, 'infinity')
  ORDER BY id
  LIMIT $8
+
+-- name: offsets_list
+-- `dedup offsets show`: $1 group, $2 topic (NULL: all), $3 limit.
+SELECT group_id, topic, "partition", holder, token, next_offset, acquired_at, updated_at
+  FROM {schema}.partitions
+ WHERE ($1::text IS NULL OR group_id = $1) AND ($2::text IS NULL OR topic = $2)
+ ORDER BY group_id, topic, "partition"
+ LIMIT $3
+
+-- name: offsets_lock
+-- `dedup offsets rewind|skip`: the rows to move, locked until the move commits,
+-- so a batch in flight on one of them commits first and is counted in the old
+-- offset.  $1 group, $2 topic, $3 partitions.
+SELECT "partition", holder, token, next_offset FROM {schema}.partitions
+ WHERE group_id = $1 AND topic = $2 AND "partition" = ANY($3::int[])
+ ORDER BY "partition"
+   FOR UPDATE
+
+-- name: offsets_move
+-- The operator's offset under a new token, which fences out the running owner;
+-- a partition the group never consumed gets its row.  $1 group, $2 topic,
+-- $3 holder (the command), $4 partitions, $5 new next offsets.
+INSERT INTO {schema}.partitions AS p (group_id, topic, "partition", holder, token, next_offset)
+SELECT $1, $2, x.part, $3, 1, x.next_offset
+  FROM unnest($4::int[], $5::bigint[]) AS x(part, next_offset)
+ON CONFLICT (group_id, topic, "partition") DO UPDATE
+   SET token = p.token + 1, holder = EXCLUDED.holder, next_offset = EXCLUDED.next_offset,
+       acquired_at = now(), updated_at = now()
+RETURNING "partition", token
 
 -- name: database_now
 SELECT now()

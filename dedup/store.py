@@ -20,7 +20,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 
@@ -67,6 +67,17 @@ class Fence:
     """This holder's fencing token for the partition."""
     expected: int | None
     """The partition's ``next_offset`` as this holder last left it (None: never set)."""
+
+
+class Position(NamedTuple):
+    """A partition's row in ``partitions``: who holds it, and where its offset stands."""
+
+    holder: str
+    """The consumer (or ``dedup offsets`` command) that took it last."""
+    token: int
+    """The current fencing token."""
+    next_offset: int | None
+    """The next offset to consume (None: never set)."""
 
 
 @dataclass(slots=True)
@@ -136,10 +147,46 @@ class Store:
 
     async def position(
         self, conn: asyncpg.Connection, group_id: str, topic: str, partition: int
-    ) -> tuple[int, int | None] | None:
-        """The partition's current ``(token, next_offset)``, or None if it has no row."""
+    ) -> Position | None:
+        """Who holds the partition and where its offset stands, or None if it has no row."""
         row = await conn.fetchrow(self.queries.partition_position, group_id, topic, partition)
-        return None if row is None else (row["token"], row["next_offset"])
+        return None if row is None else Position(row["holder"], row["token"], row["next_offset"])
+
+    async def positions(
+        self, conn: asyncpg.Connection, group_id: str, partitions: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], Position]:
+        """:meth:`position` of each of ``partitions`` that has a row, in one statement."""
+        rows = await conn.fetch(
+            self.queries.partition_positions,
+            group_id,
+            [t for t, _ in partitions],
+            [p for _, p in partitions],
+        )
+        return {
+            (r["topic"], r["partition"]): Position(r["holder"], r["token"], r["next_offset"])
+            for r in rows
+        }
+
+    async def advance(
+        self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, next_offset: int
+    ) -> None:
+        """Move the partition's offset to ``next_offset`` under ``fence``, claiming nothing.
+
+        For records Kafka never hands out (transaction markers, aborted
+        transactions, compacted gaps).  Raises :class:`dedup.StaleTokenError`
+        when the fence does not hold.
+        """
+        done = await conn.execute(
+            self.queries.advance_partition,
+            fence.group_id,
+            topic,
+            partition,
+            next_offset,
+            fence.token,
+            fence.expected,
+        )
+        if done != "UPDATE 1":
+            raise errors.StaleTokenError(f"{fence.group_id}:{topic}:{partition}", fence.token)
 
     async def apply(
         self,

@@ -33,7 +33,7 @@ from typing import Any
 import asyncpg
 from aiokafka.structs import TopicPartition
 
-from dedup import db, errors, events, keys, lanes, store, telemetry
+from dedup import db, errors, events, keys, lanes, offsets, store, telemetry
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class PartitionWorker:
         """What Kafka last heard from us (None: tell it, whatever it holds)."""
         self.lost: errors.StaleTokenError | None = None
         """Set when a newer owner took the partition."""
+        self.moved: store.Position | None = None
+        """Set when ``dedup offsets`` moved the partition (the consumer takes it back)."""
         self.in_flight: list[int] = []
         """Offsets of the batch being applied now."""
         self._s = settings
@@ -92,6 +94,7 @@ class PartitionWorker:
         self._stats = stats
         self._on_room = on_room
         self._records: collections.deque[Any] = collections.deque()
+        self._follow_to: int | None = None
         self._more = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -119,6 +122,29 @@ class PartitionWorker:
         self._more.set()
 
     @property
+    def idle(self) -> bool:
+        """True when every record fed has been applied and nothing else is asked of it."""
+        return not self.in_flight and not self._records and self._follow_to is None
+
+    def follow(self, position: int) -> None:
+        """Store ``position`` as the partition's offset: Kafka's fetch position passed records
+        it never handed out (transaction markers, aborted transactions).  Records fed later
+        all lie at or beyond it, and the worker moves the offset before applying them.
+        """
+        self._follow_to = position
+        self._more.set()
+
+    def taken_over(self, now: store.Position) -> None:
+        """The partition's row shows a newer token (found by the consumer's periodic look)."""
+        if offsets.is_operator(now.holder):
+            self.moved = now
+        else:
+            self.lost = errors.StaleTokenError(
+                f"{self._s.group_id}:{self.tp.topic}:{self.tp.partition}", self.token
+            )
+        self.stop()
+
+    @property
     def wants_records(self) -> bool:
         """True while less than a batch (or MIN_QUEUED records) waits behind the one in flight."""
         room = max(self._s.batch_size, MIN_QUEUED)
@@ -141,6 +167,10 @@ class PartitionWorker:
             await self._more.wait()
             if self._closing.is_set():
                 return
+            if self._follow_to is not None:
+                to, self._follow_to = self._follow_to, None
+                if not await self._advance(to):
+                    return
             batch = [
                 self._records.popleft() for _ in range(min(self._s.batch_size, len(self._records)))
             ]
@@ -184,9 +214,7 @@ class PartitionWorker:
                     try:
                         await self._apply_isolating(lane, msgs, dead)
                     except errors.StaleTokenError as exc:
-                        landed = await self._landed(lane)
-                        if landed is None:
-                            await self._lose(lane, exc)
+                        if not await self._refused(lane, exc):
                             return False
                     except Exception as exc:
                         if db.is_retriable(exc):
@@ -195,11 +223,9 @@ class PartitionWorker:
                     else:
                         return True
                 # Our own earlier COMMIT went through though its answer was lost:
-                # carry on from where it left the partition.
-                log.info(
-                    "%s: a batch committed in doubt had landed; resuming at %d", self.tp, landed
-                )
-                self.expected = landed
+                # carry on from where it left the partition (_refused moved expected).
+                landed = self.expected
+                assert landed is not None  # noqa: S101 - set by _refused
                 msgs = [m for m in msgs if m.offset >= landed]
                 dead = [d for d in dead if d.msg.offset >= landed]
                 if not msgs and not dead:
@@ -223,26 +249,57 @@ class PartitionWorker:
                     return False  # closing: the batch rolled back and will be redelivered
                 delay = min(delay * 2, MAX_BACKOFF)
 
-    async def _landed(self, lane: lanes.Lane) -> int | None:
-        """The partition's offset if our token still holds it and it moved past ours.
+    async def _refused(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> bool:
+        """The fence refused a write: True if the partition is still ours from ``self.expected``.
 
-        A fence fails either because a newer owner took the partition (then
-        None) or because a COMMIT of ours succeeded on the server but its answer
-        never came back, so the retry fenced on the old offset (then the offset
-        that COMMIT moved it to).
+        A fence fails for one of three reasons:
+
+        - a COMMIT of ours succeeded on the server but its answer never came
+          back, so the retry fenced on the old offset: our token still holds
+          the partition, at a later offset (True, ``expected`` moved there);
+        - an operator's ``dedup offsets`` moved the partition: stop, and the
+          consumer takes it back from the offset the operator set (``moved``);
+        - another consumer took it: stop until Kafka assigns it to us again.
         """
         conn = await lane.connection()
-        position = await self._s.store.position(
-            conn, self._s.group_id, self.tp.topic, self.tp.partition
-        )
-        if position is None:
-            return None
-        token, next_offset = position
-        if token != self.token or next_offset is None:
-            return None
-        if self.expected is not None and next_offset <= self.expected:
-            return None
-        return next_offset
+        now = await self._s.store.position(conn, self._s.group_id, self.tp.topic, self.tp.partition)
+        if now is not None and now.token == self.token:
+            if now.next_offset is not None and (
+                self.expected is None or now.next_offset > self.expected
+            ):
+                log.info(
+                    "%s: a write in doubt had landed; resuming at %d", self.tp, now.next_offset
+                )
+                self.expected = now.next_offset
+                return True
+        elif now is not None and offsets.is_operator(now.holder):
+            self.moved = now
+            return False
+        await self._lose(lane, exc)
+        return False
+
+    async def _advance(self, to: int) -> bool:
+        """Store ``to`` as the offset under the fence; False when the partition is not ours."""
+        if self.expected is not None and to <= self.expected:
+            return True
+        fence = store.Fence(self._s.group_id, self.token, self.expected)
+        async with self._lanes.lane() as lane:
+            try:
+                try:
+                    conn = await lane.connection()
+                    await self._s.store.advance(conn, fence, self.tp.topic, self.tp.partition, to)
+                except errors.StaleTokenError as exc:
+                    return await self._refused(lane, exc)
+            except Exception as exc:
+                if not db.is_retriable(exc):
+                    raise
+                # The consumer asks again once the worker is idle.
+                log.warning("moving the offset of %s to %d failed (%r)", self.tp, to, exc)
+                await lane.release()
+                return True
+        log.debug("%s: offset moves past records not handed out, to %d", self.tp, to)
+        self.expected = to
+        return True
 
     async def _apply_isolating(
         self,

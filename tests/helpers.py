@@ -30,6 +30,11 @@ async def wait_for(
     raise AssertionError(f"timed out after {within:.0f}s waiting for {what} (last: {last!r})")
 
 
+async def equal(found: Awaitable[T], expected: T) -> bool:
+    """``await found == expected``, as a probe for :func:`wait_for`."""
+    return bool(await found == expected)
+
+
 async def produce(
     bootstrap_servers: str,
     topic: str,

@@ -6,6 +6,7 @@ they check what an operator reads, given what the writers leave behind.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import os
@@ -20,14 +21,35 @@ from tests.integration import consumer_support
 UTC = datetime.UTC
 
 
-def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None) -> Any:
-    """``python -m dedup.cli ARGS`` in a subprocess; ``--dsn`` added when given."""
+def _cli(
+    args: tuple[str, ...], dsn: str | None, env: dict[str, str] | None
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of ``python -m dedup.cli ARGS``."""
     full_env = {k: v for k, v in os.environ.items() if k != "DEDUP_DSN"}
     full_env.update(env or {})
     argv = [sys.executable, "-m", "dedup.cli", *args]
     if dsn is not None:
         argv += ["--dsn", dsn]
+    return argv, full_env
+
+
+def run_cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None) -> Any:
+    """``python -m dedup.cli ARGS`` in a subprocess; ``--dsn`` added when given."""
+    argv, full_env = _cli(args, dsn, env)
     return subprocess.run(argv, capture_output=True, text=True, check=False, env=full_env)
+
+
+async def run_cli_async(
+    *args: str, dsn: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """:func:`run_cli` without blocking the event loop (a consumer may run in this process)."""
+    argv, full_env = _cli(args, dsn, env)
+    child = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=full_env
+    )
+    out, err = await asyncio.wait_for(child.communicate(), 120)
+    assert child.returncode is not None
+    return subprocess.CompletedProcess(argv, child.returncode, out.decode(), err.decode())
 
 
 def json_out(done: Any) -> Any:

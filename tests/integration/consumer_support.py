@@ -96,3 +96,8 @@ async def effect_counts(pool: Any) -> tuple[int, int]:
     """(rows, distinct keys) in ``effects``."""
     row = await pool.fetchrow("SELECT count(*) AS n, count(DISTINCT key) AS d FROM effects")
     return int(row["n"]), int(row["d"])
+
+
+async def handled(consumer: dedup.IdempotentConsumer, n: int) -> bool:
+    """True once ``consumer`` has committed ``n`` records (applied, duplicate or dead-lettered)."""
+    return consumer.stats["messages"] >= n

@@ -1,16 +1,56 @@
-"""The fenced code blocks of a docs page, and the ``console`` ones' commands and outputs."""
+"""The fenced code blocks of a docs page, and how the tests that run them run a console block.
+
+A ``console`` block is a list of ``$ command`` lines, each followed by its
+expected output; the command runs in ``/bin/sh`` and must print exactly that
+(``...`` stands for anything on a line, or for any lines when alone).
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+ROOT = Path(__file__).resolve().parent.parent.parent
+CLI_OFFSETS = "## `dedup offsets"
+"""The heading of docs/reference/cli.md's section run by test_docs_offsets.py."""
 
 
 def snippets(page: Path) -> list[tuple[str, str]]:
     """(language, text) of each fenced code block of ``page``, in order."""
     return [(m[1], m[2]) for m in BLOCK.finditer(page.read_text(encoding="utf-8"))]
+
+
+def checked_snippets(name: str, text: str) -> list[tuple[str, str]]:
+    """(language, text) of each fenced block of ``text``; every block must name its language."""
+    found = [(m[1], m[2]) for m in BLOCK.finditer(text)]
+    fences = re.findall(r"^```", text, re.MULTILINE)
+    assert len(fences) == 2 * len(found), f"{name}: a code block without a language"
+    return found
+
+
+def _section_bounds(text: str, heading: str) -> tuple[int, int]:
+    """Where the section whose heading line starts with ``heading`` begins and ends."""
+    level = heading.split(" ", 1)[0]
+    start = text.index("\n" + heading) + 1
+    following = re.search(rf"^{level} ", text[start + len(heading) :], re.MULTILINE)
+    end = len(text) if following is None else start + len(heading) + following.start()
+    return start, end
+
+
+def section(text: str, heading: str) -> str:
+    """The section of ``text`` under the heading line that starts with ``heading``."""
+    start, end = _section_bounds(text, heading)
+    return text[start:end]
+
+
+def outside(text: str, heading: str) -> str:
+    """``text`` without that section."""
+    start, end = _section_bounds(text, heading)
+    return text[:start] + text[end:]
 
 
 def console(text: str) -> list[tuple[str, str]]:
@@ -34,3 +74,27 @@ def expected_pattern(expected: str) -> re.Pattern[str]:
         else:
             parts.append(".*?".join(map(re.escape, line.split("..."))) + r"\n")
     return re.compile("".join(parts), re.DOTALL)
+
+
+def shell_env(dsn: str, bootstrap_servers: str) -> dict[str, str]:
+    """The environment of a console command: this test's services, the venv's ``dedup``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "PG"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["DEDUP_DSN"] = dsn
+    env["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap_servers
+    return env
+
+
+def run(command: str, env: dict[str, str]) -> str:
+    """What ``command`` prints, stdout and stderr interleaved as on a terminal."""
+    done = subprocess.run(
+        ["/bin/sh", "-c", command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    return done.stdout

@@ -12,13 +12,12 @@ from typing import Any
 
 import orjson
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.structs import TopicPartition
 
 import dedup
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support
+from tests.integration import kafka_support
 
 MODES = {
     "per_message_batch_1": {"handler": support.record_effect, "batch_size": 1},
@@ -85,7 +84,8 @@ async def test_duplicates_apply_once_and_offsets_are_stored(
     # Postgres holds the next offset of each partition; Kafka got it too (for lag tools).
     stored = await pool.fetch('SELECT "partition", next_offset FROM dedup.partitions')
     assert {r["partition"]: r["next_offset"] for r in stored} == {0: len(records), 1: 1}
-    assert await _kafka_committed(bootstrap_servers, f"g-{topic}", topic, 0) == len(records)
+    kafka = await kafka_support.committed(bootstrap_servers, f"g-{topic}")
+    assert kafka[0] == len(records)
 
 
 async def test_restart_resumes_from_the_offset_in_postgres(
@@ -99,7 +99,7 @@ async def test_restart_resumes_from_the_offset_in_postgres(
         await helpers.wait_for(lambda: _handled(first, 10), what="first 10")
 
     # Kafka's committed offset is rewound to 0: Postgres stays authoritative.
-    await _rewind_kafka(bootstrap_servers, f"g-{topic}", topic)
+    await kafka_support.reset(bootstrap_servers, f"g-{topic}", topic, {0: 0})
     await helpers.produce(bootstrap_servers, topic, [(None, payment(f"b{i}")) for i in range(5)])
     second = make_consumer(mode, topic, bootstrap_servers, pool)
     async with support.running(second):
@@ -221,31 +221,6 @@ async def test_missing_key_can_fall_back_to_the_offset(
 
 async def _handled(consumer: dedup.IdempotentConsumer, n: int) -> bool:
     return consumer.stats["messages"] >= n
-
-
-async def _kafka_committed(bootstrap_servers: str, group: str, topic: str, partition: int) -> int:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(group)
-    finally:
-        await admin.close()
-    return int(offsets[TopicPartition(topic, partition)].offset)
-
-
-async def _rewind_kafka(bootstrap_servers: str, group: str, topic: str) -> None:
-    from aiokafka import AIOKafkaConsumer
-
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers, group_id=group, enable_auto_commit=False
-    )
-    await consumer.start()
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.commit({tp: 0})
-    finally:
-        await consumer.stop()
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

@@ -9,15 +9,14 @@ pointing at the test's services and must print exactly that (``...`` stands
 for anything on a line, or for any lines when alone).  A ``sql`` block runs in
 a transaction that is rolled back (it creates cluster-wide roles); a ``cron``
 block's commands run the way cron runs them.  A block of any other kind fails
-the test, so nothing is added to the pages without a run here.
+the test, so nothing is added to the pages without a run here.  The section on
+``dedup offsets`` tells a story of its own, with a running consumer; it is run
+by test_docs_offsets.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from tests.conftest import ROOT
-from tests.integration.docs_support import console, expected_pattern
+from tests.integration import docs_support
 
-PAGES = [ROOT / "docs" / "reference" / "cli.md", ROOT / "docs" / "howto" / "audit-and-purge.md"]
-BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
+PAGES = [CLI_PAGE, ROOT / "docs" / "howto" / "audit-and-purge.md"]
 TOPIC = "statement-requests"
 
 SEED = r"""
@@ -110,32 +109,9 @@ VALUES
 def blocks(page: Path) -> list[tuple[str, str]]:
     """(language, text) of each fenced code block of ``page``, in order."""
     text = page.read_text(encoding="utf-8")
-    found = [(m[1], m[2]) for m in BLOCK.finditer(text)]
-    fences = re.findall(r"^```", text, re.MULTILINE)
-    assert len(fences) == 2 * len(found), f"{page.name}: a code block without a language"
-    return found
-
-
-def shell_env(dsn: str, bootstrap_servers: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "PG"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["DEDUP_DSN"] = dsn
-    env["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap_servers
-    return env
-
-
-def run(command: str, env: dict[str, str]) -> str:
-    done = subprocess.run(
-        ["/bin/sh", "-c", command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,  # interleaved, as on a terminal
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=False,
-    )
-    return done.stdout
+    if page == CLI_PAGE:
+        text = docs_support.outside(text, docs_support.CLI_OFFSETS)
+    return docs_support.checked_snippets(page.name, text)
 
 
 def crontab(text: str) -> list[str]:
@@ -168,14 +144,14 @@ async def test_every_snippet_of_the_page_runs_as_written(
 ) -> None:
     await pool.execute(SEED)
     await ensure_topic(bootstrap_servers)
-    env = shell_env(dsn, bootstrap_servers)
+    env = docs_support.shell_env(dsn, bootstrap_servers)
     found = blocks(page)
     assert found, f"{page.name} has no snippets"
     for language, text in found:
         if language == "console":
-            for command, expected in console(text):
-                actual = run(command, env)
-                assert expected_pattern(expected + "\n").fullmatch(actual), (
+            for command, expected in docs_support.console(text):
+                actual = docs_support.run(command, env)
+                assert docs_support.expected_pattern(expected + "\n").fullmatch(actual), (
                     f"{page.name}: `{command}` printed:\n{actual}\nthe page says:\n{expected}"
                 )
         elif language == "sql":
@@ -189,7 +165,9 @@ async def test_every_snippet_of_the_page_runs_as_written(
                     await tx.rollback()
         elif language == "cron":
             for command in crontab(text):
-                assert run(command + "; echo exit $?", env).endswith("exit 0\n"), command
+                assert docs_support.run(command + "; echo exit $?", env).endswith("exit 0\n"), (
+                    command
+                )
         else:
             raise AssertionError(f"{page.name}: no way to run a {language!r} block")
 

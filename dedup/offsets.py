@@ -1,0 +1,499 @@
+"""``dedup offsets show | rewind | skip``: where a consumer group stands, and moving it.
+
+A dedup consumer keeps its offsets in Postgres (``partitions.next_offset``,
+moved in the same transaction as the effects) and seeks there on every
+assignment; what Kafka holds is a copy for lag tools.  So a group is rewound or
+a range skipped here, never with Kafka's ``kafka-consumer-groups
+--reset-offsets`` (the consumer would overwrite Kafka's offset with Postgres'
+within ``kafka_commit_interval``).
+
+Moving a partition takes it the way a consumer does: a new fencing token, with
+the command as holder (``dedup offsets rewind by alice@host``), so a running
+owner's next write is refused.  The consumer sees the operator's token (at its
+next batch, or within ``kafka_commit_interval`` when idle) and takes the
+partition back from the offset set here.  Each move writes an event
+(``offsets_rewound``, ``offsets_skipped``) with both offsets, both tokens and
+who did it.  When the group has no members, Kafka's committed offsets are set
+to the new ones at once, so Kafka's tools agree.
+"""
+
+from __future__ import annotations
+
+import datetime
+import getpass
+import logging
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiokafka
+import aiokafka.admin
+import aiokafka.errors
+import asyncpg
+from aiokafka.structs import TopicPartition
+
+from dedup import errors, events, report, schema, timespec
+
+OPERATOR_PREFIX = "dedup offsets "
+"""How the holder of a partition moved by this command starts."""
+
+ACTIONS = ("rewind", "skip")
+
+EVENT_KINDS = {"rewind": "offsets_rewound", "skip": "offsets_skipped"}
+
+LOCK_TIMEOUT = "15s"
+"""How long a move waits for a batch in flight on the partition to commit."""
+
+KAFKA_TIMEOUT_MS = 10_000
+
+SHOW_COLUMNS = (
+    report.Column("group_id", "group"),
+    report.Column("topic"),
+    report.Column("partition", "part"),
+    report.Column("holder"),
+    report.Column("token"),
+    report.Column("next_offset"),
+)
+KAFKA_COLUMNS = (
+    report.Column("end_offset", "end"),
+    report.Column("lag"),
+    report.Column("kafka_committed"),
+)
+MOVE_COLUMNS = (
+    report.Column("group_id", "group"),
+    report.Column("topic"),
+    report.Column("partition", "part"),
+    report.Column("status"),
+    report.Column("old_offset"),
+    report.Column("new_offset"),
+    report.Column("old_token"),
+    report.Column("new_token"),
+    report.Column("kafka_committed"),
+)
+
+log = logging.getLogger(__name__)
+
+
+def operator_holder(action: str, who: str) -> str:
+    """The holder a move writes, naming command and person: ``dedup offsets skip by bob@ops``."""
+    return f"{OPERATOR_PREFIX}{action} by {who}"
+
+
+def is_operator(holder: str) -> bool:
+    """True when ``holder`` is a ``dedup offsets`` command (see :func:`operator_holder`)."""
+    return holder.startswith(OPERATOR_PREFIX)
+
+
+def default_who() -> str:
+    """``user@host`` of whoever runs the command."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+class GroupActiveError(errors.DedupError):
+    """The consumer group has members in Kafka and the operator did not confirm (``--yes``)."""
+
+
+# --------------------------------------------------------------------- Kafka --
+
+
+class Kafka:
+    """What ``dedup offsets`` asks Kafka: partitions, log ranges, group members and offsets."""
+
+    def __init__(self, bootstrap_servers: str) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self._admin = aiokafka.admin.AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap_servers, request_timeout_ms=KAFKA_TIMEOUT_MS
+        )
+        # No group: it only reads offsets.  read_uncommitted (the default), so
+        # end offsets are the log end that Kafka's own lag tools count from.
+        self._reader = aiokafka.AIOKafkaConsumer(
+            bootstrap_servers=bootstrap_servers,
+            enable_auto_commit=False,
+            request_timeout_ms=KAFKA_TIMEOUT_MS,
+        )
+
+    async def __aenter__(self) -> Kafka:
+        try:
+            await self._admin.start()
+            await self._reader.start()
+        except aiokafka.errors.KafkaError as exc:
+            await self.__aexit__(None, None, None)
+            raise self.unavailable(exc) from exc
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._reader.stop()
+        await self._admin.close()
+
+    def unavailable(self, exc: BaseException) -> errors.ServiceUnavailableError:
+        """The error for a Kafka request that failed."""
+        return errors.ServiceUnavailableError(
+            f"Kafka at {self.bootstrap_servers} did not answer: {exc!r}; "
+            "check --bootstrap-servers and run the command again"
+        )
+
+    async def partitions(self, topic: str) -> list[int]:
+        """The topic's partition numbers; a ConfigurationError if Kafka has no such topic."""
+        # Listing first: asking for one topic's metadata may create it on a broker
+        # that auto-creates topics.
+        if topic not in await self.topics():
+            raise errors.ConfigurationError(
+                f"--topic {topic}: no such topic on Kafka at {self.bootstrap_servers}"
+            )
+        [described] = await self._admin.describe_topics([topic])
+        return sorted(p["partition"] for p in described["partitions"])
+
+    async def topics(self) -> set[str]:
+        """Every topic Kafka knows."""
+        return set(await self._admin.list_topics())
+
+    async def members(self, group: str) -> int:
+        """How many consumers are in ``group`` now (0: empty, or no such group)."""
+        described = await self._admin.describe_consumer_groups([group])
+        groups = [g for response in described for g in response.groups]
+        for error_code, *_ in groups:
+            if error_code:  # a coordinator still loading must not pass for an empty group
+                raise aiokafka.errors.for_code(error_code)(f"describing group {group}")
+        return sum(len(members) for _, _, _, _, _, members, *_ in groups)
+
+    async def committed(self, group: str) -> dict[TopicPartition, int]:
+        """Kafka's committed offsets of ``group`` (partitions without one are left out)."""
+        found = await self._admin.list_consumer_group_offsets(group)
+        return {tp: meta.offset for tp, meta in found.items() if meta.offset >= 0}
+
+    async def log_range(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, range]:
+        """Each partition's offsets from its log start to its end (the end included)."""
+        starts = await self._reader.beginning_offsets(list(tps))
+        ends = await self._reader.end_offsets(list(tps))
+        return {tp: range(starts[tp], ends[tp] + 1) for tp in tps}
+
+    async def ends(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        """Each partition's end offset (where the next record will be written)."""
+        found: dict[TopicPartition, int] = await self._reader.end_offsets(list(tps))
+        return found
+
+    async def at_time(
+        self, tps: Sequence[TopicPartition], when: datetime.datetime
+    ) -> dict[TopicPartition, int]:
+        """The offset of each partition's first record at or after ``when``, else its end."""
+        ms = int(when.timestamp() * 1000)
+        found = await self._reader.offsets_for_times(dict.fromkeys(tps, ms))
+        ends = await self.ends(tps)
+        return {tp: ends[tp] if found.get(tp) is None else found[tp].offset for tp in tps}
+
+    async def commit(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
+        """Set ``group``'s committed offsets; Kafka accepts it only while the group is empty."""
+        committer = aiokafka.AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            group_id=group,
+            enable_auto_commit=False,
+            request_timeout_ms=KAFKA_TIMEOUT_MS,
+        )
+        await committer.start()
+        try:
+            committer.assign(list(offsets))
+            await committer.commit(dict(offsets))
+        finally:
+            await committer.stop()
+
+
+def quiet_aiokafka() -> None:
+    """aiokafka logs each retried request (a group coordinator still loading, ...) as an
+    error; a command reports what finally failed, so keep its output to that."""
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+
+
+# ---------------------------------------------------------------------- show --
+
+
+@dataclass(frozen=True)
+class ShowQuery:
+    """What ``dedup offsets show`` was asked; ``None`` means every group or topic."""
+
+    group: str | None = None
+    """The consumer group."""
+    topic: str | None = None
+    """The topic."""
+    limit: int = 1000
+    """Most rows."""
+
+
+async def show(
+    conn: asyncpg.Connection, schema_name: str, q: ShowQuery, kafka: Kafka | None
+) -> report.Report:
+    """The stored offsets of ``q``'s partitions, with Kafka's end offsets and lag when asked."""
+    queries = schema.Queries(schema_name)
+    records = await conn.fetch(queries.offsets_list, q.group, q.topic, q.limit + 1)
+    rows = [report.json_row(r) for r in records[: q.limit]]
+    columns: tuple[report.Column, ...] = SHOW_COLUMNS
+    for row in rows:
+        row.update(end_offset=None, lag=None, kafka_committed=None)
+    if kafka is not None:
+        await _add_kafka(rows, kafka)
+        columns += KAFKA_COLUMNS
+    return report.Report(
+        query={
+            "group": q.group,
+            "topic": q.topic,
+            "bootstrap_servers": kafka.bootstrap_servers if kafka else None,
+            "limit": q.limit,
+        },
+        sections=[report.Section("partitions", "partitions", columns, rows)],
+        truncated=len(records) > q.limit,
+        nothing="no stored offsets match" + _described(q.group, q.topic),
+    )
+
+
+async def _add_kafka(rows: list[dict[str, Any]], kafka: Kafka) -> None:
+    """Fill in end_offset, lag and kafka_committed (topics Kafka no longer has stay null)."""
+    try:
+        present = await kafka.topics()
+        tps = sorted({TopicPartition(r["topic"], r["partition"]) for r in rows})
+        ends = await kafka.ends([tp for tp in tps if tp.topic in present])
+        committed = {g: await kafka.committed(g) for g in sorted({r["group_id"] for r in rows})}
+    except aiokafka.errors.KafkaError as exc:
+        raise kafka.unavailable(exc) from exc
+    for row in rows:
+        tp = TopicPartition(row["topic"], row["partition"])
+        row["end_offset"] = ends.get(tp)
+        row["kafka_committed"] = committed[row["group_id"]].get(tp)
+        if row["end_offset"] is not None and row["next_offset"] is not None:
+            row["lag"] = row["end_offset"] - row["next_offset"]
+
+
+def _described(group: str | None, topic: str | None) -> str:
+    given = [f"{k}={v}" for k, v in (("group", group), ("topic", topic)) if v is not None]
+    return f" {' '.join(given)}" if given else ""
+
+
+# -------------------------------------------------------------- rewind, skip --
+
+
+@dataclass(frozen=True)
+class Move:
+    """What ``dedup offsets rewind`` or ``skip`` was asked."""
+
+    action: str
+    """``rewind`` (move back: messages are offered again) or ``skip`` (move forward)."""
+    group: str
+    """The consumer group."""
+    topic: str
+    """The topic."""
+    partitions: Sequence[int] = ()
+    """The partitions to move (empty: every partition of the topic)."""
+    to_offset: int | None = None
+    """The new next offset (with one partition)."""
+    to_time: timespec.TimeSpec | None = None
+    """Or a time: each partition moves to its first record at or after it."""
+    yes: bool = False
+    """Go ahead although the group has members."""
+    who: str | None = None
+    """Who moves it, for the holder and the event (default: user@host)."""
+
+    def check(self) -> None:
+        """Refuse a request that cannot mean one thing."""
+        if self.action not in ACTIONS:
+            raise errors.ConfigurationError(f"unknown action {self.action!r}")
+        if (self.to_offset is None) == (self.to_time is None):
+            raise errors.ConfigurationError("give one of --to-offset N or --to-time T")
+        if self.to_offset is not None and len(self.partitions) != 1:
+            raise errors.ConfigurationError(
+                "--to-offset needs one --partition: offsets are per partition "
+                "(--to-time moves several partitions at once)"
+            )
+
+    def as_query(self, when: datetime.datetime | None) -> dict[str, Any]:
+        """The request as a report's ``query``."""
+        return {
+            "action": self.action,
+            "group": self.group,
+            "topic": self.topic,
+            "partitions": list(self.partitions) or None,
+            "to_offset": self.to_offset,
+            "to_time": report.utc(when),
+            "yes": self.yes,
+        }
+
+
+@dataclass
+class _Target:
+    """One partition to move, and what happened to it."""
+
+    tp: TopicPartition
+    offset: int
+    log_start: int
+    old: asyncpg.Record | None = None
+    new_token: int | None = None
+    status: str = "unchanged"
+
+    def row(self, group: str, kafka_committed: bool) -> dict[str, Any]:
+        return {
+            "group_id": group,
+            "topic": self.tp.topic,
+            "partition": self.tp.partition,
+            "status": self.status,
+            "old_offset": self.old["next_offset"] if self.old else None,
+            "new_offset": self.offset,
+            "old_token": self.old["token"] if self.old else None,
+            "new_token": self.new_token,
+            "old_holder": self.old["holder"] if self.old else None,
+            "kafka_committed": kafka_committed,
+        }
+
+
+async def move(
+    conn: asyncpg.Connection, schema_name: str, m: Move, kafka: Kafka
+) -> tuple[report.Report, str | None]:
+    """Move ``m``'s partitions; return the report and a note for the operator, if any.
+
+    Raises :class:`GroupActiveError` when the group has members and ``m.yes``
+    is not set, :class:`dedup.ConfigurationError` for an offset outside the
+    partition's log or a move in the wrong direction (nothing is moved then).
+    """
+    m.check()
+    queries = schema.Queries(schema_name)
+    when = timespec.resolve(m.to_time, await conn.fetchval(queries.database_now))
+    try:
+        members = await kafka.members(m.group)
+        if members and not m.yes:
+            raise GroupActiveError(
+                f"group {m.group} has {members} active member(s) in Kafka: moving its offsets "
+                "fences out the running consumer, which then takes the partition back from "
+                "the new offset. Pass --yes to go ahead, or stop the group first"
+            )
+        targets = await _targets(m, when, kafka)
+    except aiokafka.errors.KafkaError as exc:
+        raise kafka.unavailable(exc) from exc
+
+    holder = operator_holder(m.action, m.who or default_who())
+    async with conn.transaction():
+        await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+        await _lock(conn, queries, m, targets)
+        moving = [t for t in targets if t.status != "unchanged"]
+        if moving:
+            rows = await conn.fetch(
+                queries.offsets_move,
+                m.group,
+                m.topic,
+                holder,
+                [t.tp.partition for t in moving],
+                [t.offset for t in moving],
+            )
+            tokens = {r["partition"]: r["token"] for r in rows}
+            for t in moving:
+                t.new_token = tokens[t.tp.partition]
+            await events.record(conn, schema_name, [_event(m, t, holder, when) for t in moving])
+
+    note = None
+    committed = False
+    if members:
+        note = (
+            f"group {m.group} is running: its consumers take the moved partitions back and "
+            "write the new offsets to Kafka within their kafka_commit_interval"
+        )
+    else:
+        try:
+            await kafka.commit(m.group, {t.tp: t.offset for t in targets})
+            committed = True
+        except aiokafka.errors.KafkaError as exc:
+            note = (
+                f"Postgres has the new offsets; Kafka's committed offsets were not updated "
+                f"({exc!r}): the group's consumers write them when they start"
+            )
+    rows = [t.row(m.group, committed) for t in targets]
+    found = report.Report(
+        query=m.as_query(when),
+        sections=[report.Section("partitions", "partitions", MOVE_COLUMNS, rows)],
+    )
+    return found, note
+
+
+async def _targets(m: Move, when: datetime.datetime | None, kafka: Kafka) -> list[_Target]:
+    """The partitions to move and their new offsets, each inside the partition's log."""
+    known = await kafka.partitions(m.topic)
+    wanted = list(m.partitions) or known
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise errors.ConfigurationError(
+            f"--partition {unknown[0]}: topic {m.topic} has partitions {_span(known)}"
+        )
+    tps = [TopicPartition(m.topic, p) for p in wanted]
+    logs = await kafka.log_range(tps)
+    if when is not None:
+        offsets = await kafka.at_time(tps, when)
+    else:
+        assert m.to_offset is not None  # noqa: S101 (Move.check)
+        offsets = dict.fromkeys(tps, m.to_offset)
+    for tp in tps:
+        if offsets[tp] not in logs[tp]:
+            raise errors.ConfigurationError(
+                f"--to-offset {offsets[tp]}: partition {tp.partition} of {tp.topic} holds "
+                f"offsets {logs[tp].start} to {logs[tp].stop - 1} (its end)"
+            )
+    return [_Target(tp, offsets[tp], logs[tp].start) for tp in tps]
+
+
+def _span(numbers: Sequence[int]) -> str:
+    return f"{numbers[0]} to {numbers[-1]}" if numbers else "none"
+
+
+async def _lock(
+    conn: asyncpg.Connection, queries: schema.Queries, m: Move, targets: list[_Target]
+) -> None:
+    """Lock the partitions' rows, read where they stand and check the direction of the move."""
+    try:
+        rows = await conn.fetch(
+            queries.offsets_lock, m.group, m.topic, [t.tp.partition for t in targets]
+        )
+    except asyncpg.LockNotAvailableError as exc:
+        raise errors.ServiceUnavailableError(
+            f"a batch of group {m.group} kept a partition of {m.topic} locked for "
+            f"{LOCK_TIMEOUT}; run the command again"
+        ) from exc
+    stored = {r["partition"]: r for r in rows}
+    for t in targets:
+        t.old = stored.get(t.tp.partition)
+        current = t.old["next_offset"] if t.old else None
+        if current == t.offset:
+            continue
+        backwards = current is not None and t.offset < current
+        if current is not None and backwards != (m.action == "rewind"):
+            other = "skip" if m.action == "rewind" else "rewind"
+            raise errors.ConfigurationError(
+                f"group {m.group} is at offset {current} on partition {t.tp.partition} of "
+                f"{m.topic}: {m.action} to {t.offset} would move it "
+                f"{'back' if backwards else 'forward'}; use `dedup offsets {other}`"
+            )
+        t.status = "rewound" if m.action == "rewind" else "skipped"
+
+
+def _event(m: Move, t: _Target, holder: str, when: datetime.datetime | None) -> events.Event:
+    old_offset = t.old["next_offset"] if t.old else None
+    detail: dict[str, Any] = {
+        "old_offset": old_offset,
+        "new_offset": t.offset,
+        "old_token": t.old["token"] if t.old else None,
+        "new_token": t.new_token,
+        "old_holder": t.old["holder"] if t.old else None,
+    }
+    if when is not None:
+        detail["to_time"] = report.utc(when)
+    if m.action == "skip":
+        # Offsets skipped_from .. skipped_to - 1 are never applied by this group.
+        detail["skipped_from"] = t.log_start if old_offset is None else old_offset
+        detail["skipped_to"] = t.offset
+    return events.Event(
+        "partition",
+        EVENT_KINDS[m.action],
+        resource=f"{m.group}:{t.tp.topic}:{t.tp.partition}",
+        holder=holder,
+        token=t.new_token,
+        detail=detail,
+    )
