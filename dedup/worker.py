@@ -209,11 +209,19 @@ class PartitionWorker:
         delay = 0.1
         alone = False
         while True:
+            if self.expected is not None:
+                # Tried again after part of the batch committed (a split that went
+                # half way, or a COMMIT whose answer was lost): only what is left.
+                msgs = [m for m in msgs if m.offset >= self.expected]
+                dead = [d for d in dead if d.msg.offset >= self.expected]
+                if not msgs and not dead:
+                    return True
             try:
                 async with self._lanes.lane(alone=alone) as lane:
                     try:
                         await self._apply_isolating(lane, msgs, dead)
                     except errors.StaleTokenError as exc:
+                        # True: our own COMMIT had landed; go on from where it left us.
                         if not await self._refused(lane, exc):
                             return False
                     except Exception as exc:
@@ -222,14 +230,6 @@ class PartitionWorker:
                         raise
                     else:
                         return True
-                # Our own earlier COMMIT went through though its answer was lost:
-                # carry on from where it left the partition (_refused moved expected).
-                landed = self.expected
-                assert landed is not None  # noqa: S101 - set by _refused
-                msgs = [m for m in msgs if m.offset >= landed]
-                dead = [d for d in dead if d.msg.offset >= landed]
-                if not msgs and not dead:
-                    return True
             except Exception as exc:
                 if not db.is_retriable(exc):
                     raise
