@@ -24,7 +24,6 @@ from dedup import errors
 _ENDS_TRANSACTION = re.compile(
     r"(commit|end|abort|prepare\s+transaction|rollback(?!\s+to\b))\b", re.IGNORECASE
 )
-_SPACE_AND_COMMENTS = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*", re.DOTALL)
 _DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
 
 
@@ -95,8 +94,7 @@ class GuardedConnection:
 def check_statement(sql: str) -> None:
     """Raise HandlerError if any statement of ``sql`` would end the transaction."""
     for start in _statement_starts(sql):
-        skipped = _SPACE_AND_COMMENTS.match(sql, start)
-        found = _ENDS_TRANSACTION.match(sql, skipped.end() if skipped else start)
+        found = _ENDS_TRANSACTION.match(sql, _skip_space_and_comments(sql, start))
         if found:
             word = " ".join(found.group(1).upper().split())
             raise errors.HandlerError(
@@ -142,6 +140,21 @@ def _statement_starts(sql: str) -> list[int]:
         else:
             i += 1
     return starts
+
+
+def _skip_space_and_comments(sql: str, i: int) -> int:
+    n = len(sql)
+    while i < n:
+        if sql[i].isspace():
+            i += 1
+        elif sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = n if end < 0 else end + 1
+        elif sql.startswith("/*", i):
+            i = _skip_block_comment(sql, i)
+        else:
+            break
+    return i
 
 
 def _in_word(sql: str, i: int) -> bool:

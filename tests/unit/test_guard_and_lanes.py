@@ -1,0 +1,108 @@
+"""The handler's connection guard and the lanes' scheduling, without services."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dedup import errors, guard, lanes
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "COMMIT",
+        "commit;",
+        "  end",
+        "ABORT",
+        "rollback",
+        "ROLLBACK AND CHAIN",
+        "COMMIT AND CHAIN",
+        "PREPARE TRANSACTION 'x'",
+        "-- a comment\nCOMMIT",
+        "/* a /* nested */ comment */ COMMIT",
+        "SELECT 1; COMMIT",
+        "SELECT 'a; b'; END; SELECT 2",
+        "UPDATE t SET x = 1;\n\n  commit",
+    ],
+)
+def test_statements_that_end_the_transaction_are_refused(sql: str) -> None:
+    with pytest.raises(errors.HandlerError, match="the handler ran"):
+        guard.check_statement(sql)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "INSERT INTO t VALUES ($1, $2)",
+        "ROLLBACK TO SAVEPOINT s1",
+        "rollback to s1",
+        "SAVEPOINT s1",
+        "RELEASE SAVEPOINT s1",
+        "SELECT 'x; COMMIT'",
+        'SELECT "a;commit" FROM t',
+        "SELECT E'it\\'s; COMMIT'",
+        "DO $$ BEGIN PERFORM 1; END $$",
+        "DO $body$ BEGIN RAISE NOTICE 'x; COMMIT'; END $body$",
+        "SELECT 1 -- ; COMMIT",
+        "SELECT 1 /* ; COMMIT */",
+        "UPDATE commits SET n = 1",
+        "SELECT endpoint FROM t; SELECT aborted FROM t",
+        "BEGIN",  # a warning inside a transaction, not an end
+    ],
+)
+def test_other_statements_pass(sql: str) -> None:
+    guard.check_statement(sql)
+
+
+async def test_a_lane_alone_waits_for_the_others_and_keeps_them_out() -> None:
+    pool = lanes.Lanes(pool=None, size=3, session_settings={})
+    order: list[str] = []
+    first_in = asyncio.Event()
+    release_first = asyncio.Event()
+
+    async def shared(name: str, hold: asyncio.Event | None = None) -> None:
+        async with pool.lane():
+            order.append(f"{name} in")
+            if hold is not None:
+                first_in.set()
+                await hold.wait()
+            order.append(f"{name} out")
+
+    async def alone() -> None:
+        async with pool.lane(alone=True):
+            order.append("alone in")
+            await asyncio.sleep(0)
+            order.append("alone out")
+
+    a = asyncio.create_task(shared("a", release_first))
+    await first_in.wait()
+    b = asyncio.create_task(alone())
+    await asyncio.sleep(0)
+    c = asyncio.create_task(shared("c"))  # arrives after the exclusive one: waits for it
+    await asyncio.sleep(0)
+    assert order == ["a in"]
+    release_first.set()
+    await asyncio.gather(a, b, c)
+    assert order == ["a in", "a out", "alone in", "alone out", "c in", "c out"]
+
+
+async def test_after_a_deadlock_lanes_run_one_at_a_time() -> None:
+    pool = lanes.Lanes(pool=None, size=4, session_settings={})
+    assert not pool.serial
+    pool.deadlocked()
+    assert pool.serial
+    inside = 0
+    most = 0
+
+    async def batch() -> None:
+        nonlocal inside, most
+        async with pool.lane():
+            inside += 1
+            most = max(most, inside)
+            await asyncio.sleep(0.01)
+            inside -= 1
+
+    await asyncio.gather(*(batch() for _ in range(5)))
+    assert most == 1
