@@ -81,15 +81,15 @@ async def error(
     where = f"topic {tp.topic!r} partition {tp.partition}"
     if position is not None:
         where += f", fetch position {position}"
-    skip_to = ""
+    skip_to = "AFTER_THE_BATCH"
     if failure.batch is not None:
         first, after = failure.batch
         where += f" (the batch holds offsets {first} to {after - 1})"
-        skip_to = f" to offset {after}"
+        skip_to = str(after)
     return errors.UndecodableBatchError(
         f"cannot decode a record batch of {where}: {cause}. {remedy} If the batch is corrupt, "
-        f"skip it with `dedup offsets skip` (group {group_id!r}, {tp.topic} partition "
-        f"{tp.partition}{skip_to}); skipped records are not applied.",
+        f"skip it (its records are not applied, the skip is recorded): `dedup offsets skip "
+        f"--group {group_id} --topic {tp.topic} --partition {tp.partition} --to-offset {skip_to}`.",
         topic=tp.topic,
         partition=tp.partition,
         offset=position,
