@@ -258,6 +258,7 @@ class IdempotentConsumer:
         self._stats = dict.fromkeys(STAT_NAMES, 0)
         self._workers: dict[TopicPartition, worker.PartitionWorker] = {}
         self._held: set[TopicPartition] = set()  # paused while every worker was busy
+        self._failure: Exception | None = None  # raised by the rebalance listener
         self._stopping = asyncio.Event()
         self._hurry = asyncio.Event()  # a second signal: cut what is in flight now
         self._stop_deadline: float | None = None
@@ -486,6 +487,11 @@ class IdempotentConsumer:
 
     # ----------------------------------------------------------------- loop --
 
+    def _rebalance_failed(self, exc: Exception) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._request_stop()  # the fetch loop sees it within FETCH_WAIT_MS and raises the error
+
     async def _consume(self) -> None:
         while not self._stopping.is_set():
             await self._check_workers()
@@ -497,6 +503,8 @@ class IdempotentConsumer:
             self._follow_fetch_positions()
             await self._check_owners()
             await self._commit_kafka()
+        if self._failure is not None:
+            raise self._failure
 
     def _has_room(self, tp: TopicPartition) -> None:
         """A worker took a batch off its queue: fetch for it again."""
@@ -746,14 +754,29 @@ def _pool_size(pool: Any) -> int:
 
 
 class _Rebalance(aiokafka.ConsumerRebalanceListener):  # type: ignore[misc]
+    """Hands aiokafka's rebalance calls to the consumer.
+
+    aiokafka only logs what a listener raises; the consumer would then hold
+    partitions it never works on.  So an error is kept, and the fetch loop
+    raises it from :meth:`IdempotentConsumer.run`.
+    """
+
     def __init__(self, consumer: IdempotentConsumer) -> None:
         self.consumer = consumer
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self.consumer._on_revoked(revoked)
+        try:
+            await self.consumer._on_revoked(revoked)
+        except Exception as exc:
+            self.consumer._rebalance_failed(exc)
+            raise
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self.consumer._on_assigned(assigned)
+        try:
+            await self.consumer._on_assigned(assigned)
+        except Exception as exc:
+            self.consumer._rebalance_failed(exc)
+            raise
 
 
 def wrap(

@@ -6,6 +6,8 @@ one of them, the way a deployment would.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,6 +18,9 @@ import pytest
 
 import dedup
 from dedup import schema
+from tests import helpers
+from tests.conftest import Topics
+from tests.integration import consumer_support as support
 from tests.integration.audit_support import add_dead_letter, add_event, add_key, json_out, run_cli
 
 RUNTIME_PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE"}
@@ -213,3 +218,22 @@ async def test_purge_runs_as_the_runtime_role_but_events_need_the_owner(
     refused = run_cli("purge", "--older-than", "30d", "--events-older-than", "90d", dsn=runtime)
     assert refused.returncode == 2
     assert "may not delete events" in refused.stderr
+
+
+async def test_a_consumer_that_cannot_take_its_partitions_fails_loudly(
+    login_as: LoginAs, bootstrap_servers: str, topics: Topics, pool: Any
+) -> None:
+    """aiokafka only logs what a rebalance listener raises; run() must raise it instead."""
+    topic = await topics.create()
+    await helpers.produce(bootstrap_servers, topic, [(None, b'{"id": "m0"}')])
+    # The runtime role may not write partition rows in this database: taking fails for good.
+    await pool.execute("REVOKE INSERT, UPDATE ON dedup.partitions FROM dedup_runtime")
+    runtime = await dedup.db.create_pool(await login_as("dedup_runtime"), max_size=3)
+    consumer = support.consumer(support.record_effect, topic, bootstrap_servers, runtime)
+    try:
+        started = time.monotonic()
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="partitions"):
+            await asyncio.wait_for(consumer.run(), 60)
+        assert time.monotonic() - started < 30
+    finally:
+        await runtime.close()
