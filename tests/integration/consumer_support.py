@@ -63,16 +63,20 @@ def consumer(
     pool: Any,
     *,
     key_field: str = "id",
+    key: Any = None,
     **options: Any,
 ) -> dedup.IdempotentConsumer:
-    """An IdempotentConsumer of ``topic`` in its own group, keyed by a JSON field, from offset 0."""
+    """An IdempotentConsumer of ``topic`` in its own group, from offset 0.
+
+    Keyed by the JSON field ``key_field``, or by the strategy ``key`` when one is given.
+    """
     return dedup.IdempotentConsumer(
         handler,
         topics=[topic],
         group_id=f"g-{topic}",
         bootstrap_servers=bootstrap_servers,
         pool=pool,
-        key=dedup.keys.json_field(key_field),
+        key=key or dedup.keys.json_field(key_field),
         auto_offset_reset="earliest",
         install_signal_handlers=False,
         **options,

@@ -17,7 +17,7 @@ import pytest
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support
-from tests.integration import kafka_support
+from tests.integration import kafka_support, kafka_tools
 
 
 def item(key: str) -> bytes:
@@ -77,6 +77,9 @@ async def test_transactional_topic_applies_committed_keys_once_and_ends_with_no_
     committed = sorted(k for ok, keys in TRANSACTIONS if ok for k in keys)
     assert await effect_keys(pool) == committed, "each committed key once, no aborted key"
     assert consumer.stats["processed"] == len(committed)
+    # What an operator sees in Kafka's own tool: a caught-up group has no lag.
+    lag = await kafka_tools.group_lag(bootstrap_servers, group)
+    assert lag == {(topic, 0): 0, (topic, 1): 0}
 
 
 async def test_markers_alone_are_followed_under_read_uncommitted(
