@@ -154,9 +154,10 @@ UPDATE {schema}.tasks
 RETURNING attempts
 
 -- name: task_finish
--- Only the current run may finish the task: $3 is its token.
+-- Only the current run may finish the task: $3 is its token.  $5 is the result
+-- as JSON text (never a jsonb parameter: the pool's codecs are its owner's).
 UPDATE {schema}.tasks
-   SET state = $4, result = $5, last_error = $6,
+   SET state = $4, result = $5::text::jsonb, last_error = $6,
        finished_at = clock_timestamp(), updated_at = clock_timestamp()
  WHERE task = $1 AND business_key = $2 AND token = $3 AND state = 'running'
 RETURNING attempts
@@ -170,8 +171,9 @@ UPDATE {schema}.tasks
 
 -- name: task_get
 -- With FOR UPDATE appended, runners of one (task, key) queue here one claim at a time.
+-- The result comes back as JSON text, parsed by dedup whatever codecs the pool has.
 SELECT task, business_key, state, attempts, holder, token, forced, started_at, finished_at,
-       last_error, result
+       last_error, result::text AS result
   FROM {schema}.tasks
  WHERE task = $1 AND business_key = $2
 
@@ -259,7 +261,7 @@ UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = $1 RETURNING rep
 -- events_resource; by task: subject task or lease, namespace = task code.
 -- $1 keys, $2 namespaces, $3 resource, $4 subjects, $5 kind, $6 since, $7 until, $8 limit.
 SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_state,
-       to_state, trace_id, detail
+       to_state, trace_id, detail::text AS detail
   FROM {schema}.events
  WHERE ($1::text[] IS NULL OR key = ANY($1))
    AND ($2::text[] IS NULL OR namespace = ANY($2))
