@@ -72,6 +72,21 @@ WITH fence AS (
 SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
   FROM (SELECT) AS one LEFT JOIN claim ON true
 
+-- name: claim_keys
+-- dedup.claim(): the claim of fence_and_claim without a fence, inside the
+-- caller's own transaction, for keys from any topics and partitions.
+-- $1 namespace, $2 keys, $3 topics, $4 partitions, $5 offsets, $6 payload hashes.
+INSERT INTO {schema}.processed AS p
+    (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
+SELECT $1, k, t, part, o, NULL, h
+  FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[]) AS x(k, t, part, o, h)
+ON CONFLICT (namespace, idempotency_key) DO UPDATE
+   SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
+       conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
+       last_duplicate_at = now()
+RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
+          p.topic, p."partition", p."offset"
+
 -- name: count_copies
 -- Further copies of a key inside one batch, once each was classified against
 -- the stored payload hash.  $1 namespace, $2 keys, $3 duplicates, $4 conflicts.
