@@ -8,7 +8,7 @@ the business write, under a fencing token that a newer owner invalidates.
 from __future__ import annotations
 
 from dedup import keys
-from dedup.consumer import IdempotentConsumer, wrap
+from dedup.consumer import IdempotentConsumer, claim, wrap
 from dedup.errors import (
     ConfigurationError,
     DedupError,
@@ -20,7 +20,7 @@ from dedup.errors import (
     UndecodableBatchError,
 )
 from dedup.leases import Lease, Leases
-from dedup.message import Message, Outcome, Tx
+from dedup.message import ClaimResult, Message, Outcome, Tx
 from dedup.migrations import migrate
 from dedup.reconciliation import Check as ReconcileCheck
 from dedup.reconciliation import Report as ReconcileReport
@@ -28,6 +28,7 @@ from dedup.reconciliation import reconcile
 from dedup.tasks import TaskOutcome, TaskRun, TaskRunner
 
 __all__ = [
+    "ClaimResult",
     "ConfigurationError",
     "DedupError",
     "HandlerError",
@@ -47,6 +48,7 @@ __all__ = [
     "TaskRunner",
     "Tx",
     "UndecodableBatchError",
+    "claim",
     "keys",
     "migrate",
     "reconcile",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import orjson
 
 from dedup import errors, keys, report, schema, timespec
 
@@ -291,6 +292,8 @@ async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> 
     stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
     args = (stored_keys, namespaces, q.resource, subjects, q.kind, window.since, window.until)
     rows, cut = await _limited(conn, queries.audit_events, args, q.limit)
+    for row in rows:  # JSON text (see queries.sql), whatever codecs the connection has
+        row["detail"] = orjson.loads(row["detail"])
     if q.task is not None:
         asked: dict[str, Any] = {"task": q.task, "business_key": q.key}
     else:

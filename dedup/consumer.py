@@ -1,4 +1,4 @@
-"""The idempotent Kafka consumer, and ``wrap`` for hand-written aiokafka loops.
+"""The idempotent Kafka consumer; ``wrap`` and ``claim`` for hand-written aiokafka loops.
 
 The consumer has three jobs, each in one place:
 
@@ -41,14 +41,14 @@ import socket
 import time
 import types
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import aiokafka
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
-from dedup import db, decoding, errors, keys, lanes, store, telemetry, worker
+from dedup import db, decoding, drivers, errors, keys, lanes, store, telemetry, worker
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,13 @@ def _check_key(key: Any) -> None:
         )
 
 
+def _check_missing_key(on_missing_key: Any) -> None:
+    if on_missing_key not in ("dead_letter", "offset"):
+        raise errors.ConfigurationError(
+            f"on_missing_key={on_missing_key!r}: expected 'dead_letter' or 'offset'"
+        )
+
+
 def _check_number(name: str, value: Any, low: float, high: float, *, whole: bool) -> None:
     kinds = (int,) if whole else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
@@ -208,10 +215,7 @@ class IdempotentConsumer:
         _check_number("handler_timeout", handler_timeout, 0.001, 86_400, whole=False)
         _check_number("shutdown_timeout", shutdown_timeout, 0, 86_400, whole=False)
         _check_number("kafka_commit_interval", kafka_commit_interval, 0, 3600, whole=False)
-        if on_missing_key not in ("dead_letter", "offset"):
-            raise errors.ConfigurationError(
-                f"on_missing_key={on_missing_key!r}: expected 'dead_letter' or 'offset'"
-            )
+        _check_missing_key(on_missing_key)
         unknown = sorted(set(options) - _AIOKAFKA_OPTIONS)
         if unknown:
             raise errors.ConfigurationError(
@@ -822,3 +826,51 @@ def wrap(
         return message_.Outcome.DUPLICATE
 
     return handle
+
+
+async def claim(
+    conn: Any,
+    records: Iterable[Any],
+    *,
+    namespace: str,
+    key: keys.Strategy = DEFAULT_KEY,
+    schema: str = "dedup",
+    on_missing_key: str = "dead_letter",
+    on_conflict: str = "dead_letter",
+) -> message_.ClaimResult:
+    """Claim the idempotency keys of ``records`` inside your own open transaction.
+
+    ``conn`` is an asyncpg connection inside a transaction, or an SQLAlchemy
+    ``AsyncConnection`` / ``AsyncSession`` (asyncpg dialect) inside one; dedup
+    writes on its driver connection, so the claims commit or roll back with
+    your writes.  ``records`` are aiokafka ``ConsumerRecord`` objects or
+    :class:`dedup.Message` objects, from any topics and partitions.  Apply
+    ``result.fresh`` in the same transaction; duplicates and conflicts are
+    counted on the key's row and recorded (conflict events) as the consumer
+    does, conflicts and keyless records dead-lettered by default.  Offsets stay
+    yours: commit them to Kafka after your transaction commits.
+
+    Raises :class:`dedup.ConfigurationError` outside a transaction.
+    """
+    _check_key(key)
+    _check_missing_key(on_missing_key)
+    writes = store.Store(schema_name=schema, namespace=namespace, conflict_policy=on_conflict)
+    driver = await drivers.in_transaction(conn, "dedup.claim")
+    msgs: list[message_.Message] = []
+    dead: list[store.DeadLetter] = []
+    for record in records:
+        msg = (
+            record if isinstance(record, message_.Message) else message_.Message.from_record(record)
+        )
+        letter = worker.take_key(key, on_missing_key, msg)
+        if letter is None:
+            msgs.append(msg)
+        else:
+            dead.append(letter)
+    result = await writes.claim(driver, msgs, dead=dead)
+    return message_.ClaimResult(
+        fresh=result.applied,
+        duplicates=result.duplicates,
+        conflicts=result.conflicts,
+        dead_lettered=[d.msg for d in result.dead_letters],
+    )

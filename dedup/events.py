@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+import orjson
 
 from dedup import schema, telemetry
 
@@ -19,9 +20,10 @@ _INSERT = """
 INSERT INTO {schema}.events
     (subject, kind, namespace, key, resource, holder, token, from_state, to_state,
      trace_id, detail)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                     $6::text[], $7::bigint[], $8::text[], $9::text[], $10::text[],
-                     $11::jsonb[])
+SELECT s, k, n, ik, r, h, t, f, tt, tr, d::jsonb
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+              $6::text[], $7::bigint[], $8::text[], $9::text[], $10::text[],
+              $11::text[]) AS x(s, k, n, ik, r, h, t, f, tt, tr, d)
 """
 
 
@@ -86,5 +88,6 @@ async def record(conn: asyncpg.Connection, schema_name: str, events: Sequence[Ev
         [e.from_state for e in events],
         [e.to_state for e in events],
         [trace_id] * len(events),
-        [dict(e.detail) for e in events],
+        # As text, cast in SQL: the json codecs belong to the pool's owner.
+        [orjson.dumps(dict(e.detail)).decode() for e in events],
     )

@@ -92,3 +92,21 @@ class Outcome(enum.Enum):
     """Its key was already applied with a different payload: nothing ran; recorded."""
     DEAD_LETTERED = "dead_lettered"
     """It could not be handled; the whole record is in ``dead_letters`` with the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What :func:`dedup.claim` found for a batch of records, in the caller's transaction."""
+
+    fresh: list[Message]
+    """Keys claimed now: apply these in the same transaction (in topic, partition, offset
+    order).  If the transaction rolls back, so do their claims."""
+    duplicates: list[Message]
+    """Keys already applied with the same payload: do nothing (counted on the key's row)."""
+    conflicts: list[Message]
+    """Keys already applied with a different payload: do nothing; recorded as ``conflict``
+    events (and dead-lettered under ``on_conflict="dead_letter"``, the default)."""
+    dead_lettered: list[Message]
+    """Messages written to ``dead_letters`` in the same transaction: those without a key
+    (under ``on_missing_key="dead_letter"``) and the conflicts (under
+    ``on_conflict="dead_letter"``)."""

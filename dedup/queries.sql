@@ -72,6 +72,21 @@ WITH fence AS (
 SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
   FROM (SELECT) AS one LEFT JOIN claim ON true
 
+-- name: claim_keys
+-- dedup.claim(): the claim of fence_and_claim without a fence, inside the
+-- caller's own transaction, for keys from any topics and partitions.
+-- $1 namespace, $2 keys, $3 topics, $4 partitions, $5 offsets, $6 payload hashes.
+INSERT INTO {schema}.processed AS p
+    (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
+SELECT $1, k, t, part, o, NULL, h
+  FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[]) AS x(k, t, part, o, h)
+ON CONFLICT (namespace, idempotency_key) DO UPDATE
+   SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
+       conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
+       last_duplicate_at = now()
+RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
+          p.topic, p."partition", p."offset"
+
 -- name: count_copies
 -- Further copies of a key inside one batch, once each was classified against
 -- the stored payload hash.  $1 namespace, $2 keys, $3 duplicates, $4 conflicts.
@@ -154,9 +169,10 @@ UPDATE {schema}.tasks
 RETURNING attempts
 
 -- name: task_finish
--- Only the current run may finish the task: $3 is its token.
+-- Only the current run may finish the task: $3 is its token.  $5 is the result
+-- as JSON text (never a jsonb parameter: the pool's codecs are its owner's).
 UPDATE {schema}.tasks
-   SET state = $4, result = $5, last_error = $6,
+   SET state = $4, result = $5::text::jsonb, last_error = $6,
        finished_at = clock_timestamp(), updated_at = clock_timestamp()
  WHERE task = $1 AND business_key = $2 AND token = $3 AND state = 'running'
 RETURNING attempts
@@ -170,8 +186,9 @@ UPDATE {schema}.tasks
 
 -- name: task_get
 -- With FOR UPDATE appended, runners of one (task, key) queue here one claim at a time.
+-- The result comes back as JSON text, parsed by dedup whatever codecs the pool has.
 SELECT task, business_key, state, attempts, holder, token, forced, started_at, finished_at,
-       last_error, result
+       last_error, result::text AS result
   FROM {schema}.tasks
  WHERE task = $1 AND business_key = $2
 
@@ -259,7 +276,7 @@ UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = $1 RETURNING rep
 -- events_resource; by task: subject task or lease, namespace = task code.
 -- $1 keys, $2 namespaces, $3 resource, $4 subjects, $5 kind, $6 since, $7 until, $8 limit.
 SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_state,
-       to_state, trace_id, detail
+       to_state, trace_id, detail::text AS detail
   FROM {schema}.events
  WHERE ($1::text[] IS NULL OR key = ANY($1))
    AND ($2::text[] IS NULL OR namespace = ANY($2))

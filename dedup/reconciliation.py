@@ -251,8 +251,8 @@ async def reconcile(
 ) -> Report:
     """Compare source and result of ``task`` for ``business_date``; record and return the report.
 
-    ``target`` is a DSN, an asyncpg pool or a connection (pools and connections
-    need the jsonb codec of pools made by dedup; a DSN gets one).  ``task`` is a
+    ``target`` is a DSN, an asyncpg pool or a connection (any codecs: dedup
+    sends JSON as text).  ``task`` is a
     task code, looked up in ``registry`` (default: :meth:`Registry.default`),
     or a :class:`Check`.  Both queries run in one REPEATABLE READ transaction;
     the ``reconcile`` event is written in it; a mismatch adds one to

@@ -207,15 +207,7 @@ class Store:
         records of one partition.
         """
         result = BatchResult(dead_letters=list(dead))
-        first: dict[str, tuple[message_.Message, bytes]] = {}
-        copies: list[tuple[message_.Message, bytes]] = []  # later copies inside this batch
-        for msg in msgs:
-            digest = payload_hash(msg.value)
-            if msg.idempotency_key in first:
-                copies.append((msg, digest))
-            else:
-                first[msg.idempotency_key] = (msg, digest)
-
+        first, copies = _first_copies(msgs)
         offsets = [m.offset for m in msgs] + [d.msg.offset for d in dead]
         if not offsets:
             return result
@@ -241,7 +233,81 @@ class Store:
             raise errors.StaleTokenError(
                 f"{fence.group_id}:{any_msg.topic}:{any_msg.partition}", fence.token
             )
+        await self._sort_claimed(conn, result, rows, first, copies)
 
+        if result.applied:
+            tx = message_.Tx(conn=guard.GuardedConnection(conn), token=fence.token if fence else 0)
+            if batch_handler:
+                await call_handler(handler(result.applied, tx), conn, handler_timeout)  # type: ignore[arg-type]
+            else:
+                for msg in result.applied:
+                    try:
+                        await call_handler(handler(msg, tx), conn, handler_timeout)  # type: ignore[arg-type]
+                    except Exception as exc:
+                        with contextlib.suppress(AttributeError):
+                            exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
+                        raise
+
+            telemetry.transition(
+                "applied", {"namespace": self.namespace, "count": len(result.applied)}
+            )
+        await self._record(conn, result, fence, group_id)
+        return result
+
+    async def claim(
+        self,
+        conn: asyncpg.Connection,
+        msgs: Sequence[message_.Message],
+        *,
+        dead: Sequence[DeadLetter] = (),
+    ) -> BatchResult:
+        """Claim the keys of ``msgs`` inside the caller's open transaction; run nothing.
+
+        For :func:`dedup.claim`: the caller applies ``result.applied`` itself, in
+        the same transaction.  ``msgs`` have their idempotency keys set and may
+        come from any topics and partitions; ``dead`` are dead-lettered.  Keys
+        are claimed, and duplicates, conflicts and dead letters recorded, with
+        the consumer's statements and rules, in one round trip for the claim.
+        """
+        result = BatchResult(dead_letters=list(dead))
+        first, copies = _first_copies(msgs)
+        if first:
+            keys = sorted(first)  # key order: concurrent claims can't deadlock
+            found = [first[k][0] for k in keys]
+            rows = await conn.fetch(
+                self.queries.claim_keys,
+                self.namespace,
+                keys,
+                [m.topic for m in found],
+                [m.partition for m in found],
+                [m.offset for m in found],
+                [first[k][1] for k in keys],
+            )
+            await self._sort_claimed(conn, result, rows, first, copies)
+        await self._record(conn, result, None, None)
+        return result
+
+    async def _record(
+        self,
+        conn: asyncpg.Connection,
+        result: BatchResult,
+        fence: Fence | None,
+        group_id: str | None,
+    ) -> None:
+        """Write the batch's dead letters, and the events of its conflicts and dead letters."""
+        if result.dead_letters:
+            await self._dead_letter(conn, result.dead_letters, fence, group_id)
+        await events.record(conn, self.schema_name, self._events(result, fence))
+
+    async def _sort_claimed(
+        self,
+        conn: asyncpg.Connection,
+        result: BatchResult,
+        rows: Sequence[asyncpg.Record],
+        first: dict[str, tuple[message_.Message, bytes]],
+        copies: list[tuple[message_.Message, bytes]],
+    ) -> None:
+        """File each claimed key's message as applied (fresh), a duplicate or a conflict."""
         # What each key now holds: its payload hash and where that payload came from.
         stored: dict[str, tuple[bytes, str]] = {}
         for row in rows:
@@ -260,31 +326,10 @@ class Store:
             self._classify(result, msg, digest, stored[key])
         if copies:
             await self._count_copies(conn, result, copies, stored)
-        result.applied.sort(key=lambda m: m.offset)
+        result.applied.sort(key=lambda m: (m.topic, m.partition, m.offset))
         # Per batch, not per message: a span event per message would cost more
         # than the rest of the happy path.
         telemetry.transition("claimed", {"namespace": self.namespace, "count": len(result.applied)})
-
-        if result.applied:
-            tx = message_.Tx(conn=guard.GuardedConnection(conn), token=fence.token if fence else 0)
-            if batch_handler:
-                await call_handler(handler(result.applied, tx), conn, handler_timeout)  # type: ignore[arg-type]
-            else:
-                for msg in result.applied:
-                    try:
-                        await call_handler(handler(msg, tx), conn, handler_timeout)  # type: ignore[arg-type]
-                    except Exception as exc:
-                        with contextlib.suppress(AttributeError):
-                            exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
-                        raise
-
-            telemetry.transition(
-                "applied", {"namespace": self.namespace, "count": len(result.applied)}
-            )
-        if result.dead_letters:
-            await self._dead_letter(conn, result.dead_letters, fence, group_id)
-        await events.record(conn, self.schema_name, self._events(result, fence))
-        return result
 
     def _classify(
         self,
@@ -396,6 +441,21 @@ class Store:
             for d in result.dead_letters
         ]
         return made
+
+
+def _first_copies(
+    msgs: Sequence[message_.Message],
+) -> tuple[dict[str, tuple[message_.Message, bytes]], list[tuple[message_.Message, bytes]]]:
+    """Each key's first message with its payload hash, and the later copies of a key."""
+    first: dict[str, tuple[message_.Message, bytes]] = {}
+    copies: list[tuple[message_.Message, bytes]] = []
+    for msg in msgs:
+        digest = payload_hash(msg.value)
+        if msg.idempotency_key in first:
+            copies.append((msg, digest))
+        else:
+            first[msg.idempotency_key] = (msg, digest)
+    return first, copies
 
 
 async def call_handler(

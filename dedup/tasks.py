@@ -182,7 +182,7 @@ class TaskRun:
             self.business_key,
             self.token,
             "succeeded",
-            _json(result),
+            _json(result)[1],
             None,
         )
         if attempts is None:
@@ -215,14 +215,25 @@ Job = Callable[[TaskRun], Awaitable[object]]
 LeaseLostCallback = Callable[[TaskRun, errors.StaleTokenError], object]
 
 
-def _json(value: Any) -> Any:
-    """``value`` if orjson can store it, else its repr (the job's effects are done either way)."""
+def _json(value: Any) -> tuple[Any, str | None]:
+    """``value`` and its JSON text (None for None), or its repr if orjson can't store it.
+
+    The job's effects are done either way.  The text goes to Postgres as text,
+    cast there, so whatever json codec the pool has never sees it.
+    """
+    if value is None:
+        return None, None
     try:
-        orjson.dumps(value)
+        return value, orjson.dumps(value).decode()
     except TypeError:
         log.warning("task result %r is not JSON; storing its repr", value)
-        return repr(value)
-    return value
+        return repr(value), orjson.dumps(repr(value)).decode()
+
+
+def _stored_result(row: Any) -> Any:
+    """The result of a ``task_get`` row (JSON text, see queries.sql), parsed."""
+    text = row["result"]
+    return None if text is None else orjson.loads(text)
 
 
 def _event(
@@ -255,8 +266,8 @@ class TaskRunner:
     """Runs jobs once per (task code, business key), coordinated through Postgres.
 
     Give it ``dsn`` (a pool is opened per :meth:`run`, or once for the runner
-    inside ``async with``) or ``pool`` (an asyncpg pool from
-    :func:`dedup.db.create_pool`, whose jsonb codec is orjson).  ``holder``
+    inside ``async with``) or ``pool`` (any asyncpg pool: dedup sends and reads
+    JSON as text, so the pool's codecs don't matter).  ``holder``
     names this runner in leases and events (default ``hostname:pid``).
     """
 
@@ -423,7 +434,7 @@ class TaskRunner:
                     token=token,
                     attempts=attempts,
                     holder=holder,
-                    result=row["result"] if status == "skipped_done" else None,
+                    result=_stored_result(row) if status == "skipped_done" else None,
                     error=found.get("error"),
                 )
 
@@ -561,18 +572,18 @@ class TaskRunner:
     async def _finish(self, run: TaskRun, result: object, error: str | None) -> TaskOutcome:
         """Record success (``error`` None) or failure, fenced, and release the lease."""
         state = "failed" if error is not None else "succeeded"
-        stored = _json(result)
+        stored, text = _json(result)
         try:
             async with run.pool.acquire() as conn, conn.transaction():
                 attempts = await conn.fetchval(
-                    self._q.task_finish, run.task, run.business_key, run.token, state, stored, error
+                    self._q.task_finish, run.task, run.business_key, run.token, state, text, error
                 )
                 if attempts is None:
                     row = await conn.fetchrow(self._q.task_get, run.task, run.business_key)
                     if row["state"] != "succeeded" or row["token"] != run.token:
                         raise await run._leases.stale_error(conn, run.lease)
                     # The job completed the task itself (TaskRun.complete).
-                    state, stored, error = "succeeded", row["result"], None
+                    state, stored, error = "succeeded", _stored_result(row), None
                 else:
                     await run.fence(conn)
                     await events.record(

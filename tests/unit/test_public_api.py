@@ -18,6 +18,7 @@ CONTRACT = {
     "TaskRun",
     "TaskOutcome",
     "Outcome",
+    "claim",
 }
 
 
@@ -35,6 +36,14 @@ def test_every_public_name_has_a_docstring() -> None:
 def test_key_strategies_of_the_contract() -> None:
     for name in ("header", "json_field", "kafka_key", "offset", "first"):
         assert callable(getattr(dedup.keys, name))
+
+
+def test_claim_signature_of_the_contract() -> None:
+    params = inspect.signature(dedup.claim).parameters
+    assert list(params)[:2] == ["conn", "records"]
+    for name in ("namespace", "key"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert {"fresh", "duplicates", "conflicts"} <= set(dedup.ClaimResult.__dataclass_fields__)
 
 
 def test_consumer_signature_of_the_contract() -> None:
