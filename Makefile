@@ -1,6 +1,7 @@
 # The two commands a newcomer needs are `make demo` and `make test`.
 # Both build .venv (editable install with the dev extras) and bring up the local
-# Kafka and Postgres when none is configured (compose/local/up).
+# Kafka and Postgres when none is configured (compose/local/up).  The tests that
+# run through pgbouncer start it themselves (compose/local/up pgbouncer).
 
 PYTHON ?= python3
 VENV := .venv

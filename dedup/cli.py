@@ -4,6 +4,11 @@ Every command takes ``--dsn`` (default: the ``DEDUP_DSN`` variable) and
 ``--schema`` (default ``dedup``).  Exit codes: 0 done, 1 the command ran and
 found a problem (a mismatch, a failed task), 2 bad usage or configuration;
 ``task run`` adds 3 (skipped: already succeeded) and 4 (skipped: running elsewhere).
+
+The commands connect without asyncpg's statement cache: each is short-lived and
+sends each statement a few times at most, and without it they work unchanged
+through a pooler in transaction mode (pgbouncer), where a prepared statement
+does not outlive its transaction.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+
+POOL_OPTIONS = {"statement_cache_size": 0}
+"""asyncpg options of every command's connections (see the module docstring)."""
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +128,11 @@ def _load_job(spec: str) -> tasks.Job:
 async def _task_run(args: argparse.Namespace) -> int:
     job = _load_job(args.job)
     runner = tasks.TaskRunner(
-        dsn=_dsn(args), holder=args.holder, schema_name=args.schema, max_attempts=args.max_attempts
+        dsn=_dsn(args),
+        holder=args.holder,
+        schema_name=args.schema,
+        max_attempts=args.max_attempts,
+        pool_options=POOL_OPTIONS,
     )
     # SIGTERM (a scheduler's timeout, a deploy) cancels the run: the task is
     # marked failed and its lease released, so the next runner need not wait.
@@ -223,7 +235,7 @@ def _window(parser: argparse.ArgumentParser, what: str) -> None:
 @contextlib.asynccontextmanager
 async def _connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connection]:
     schema.quote(args.schema)  # a bad name is bad usage, found before connecting
-    pool = await db.create_pool(_dsn(args), min_size=1, max_size=1)
+    pool = await db.create_pool(_dsn(args), min_size=1, max_size=1, **POOL_OPTIONS)
     try:
         async with pool.acquire() as conn:
             yield conn

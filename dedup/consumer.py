@@ -172,6 +172,10 @@ class IdempotentConsumer:
     ``"read_committed"``: records of aborted producer transactions are never
     applied.
 
+    With ``dsn=``, ``pool_options`` go to ``asyncpg.create_pool`` for the pool
+    dedup opens, e.g. ``{"statement_cache_size": 0}`` behind pgbouncer in
+    transaction mode (docs/operations.md).
+
     A record batch that cannot be decoded stops :meth:`run` with
     :class:`dedup.UndecodableBatchError`, naming the partition and offset.
     """
@@ -199,10 +203,12 @@ class IdempotentConsumer:
         shutdown_timeout: float = 30.0,
         handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
         kafka_commit_interval: float = 1.0,
+        pool_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
         if (dsn is None) == (pool is None):
             raise errors.ConfigurationError("pass exactly one of dsn= or pool=")
+        pool_options = db.check_pool_options(pool_options, pool=pool)
         if isinstance(topics, str) or not topics:
             raise errors.ConfigurationError("topics must be a non-empty list of topic names")
         if not group_id:
@@ -256,6 +262,7 @@ class IdempotentConsumer:
             schema_name=schema, namespace=self.namespace, conflict_policy=on_conflict
         )
         self._dsn = dsn
+        self._pool_options = pool_options
         self._pool = pool
         self._own_pool = pool is None
         self._options = options
@@ -353,19 +360,18 @@ class IdempotentConsumer:
 
     async def _start(self) -> None:
         if self._dsn is not None:
-            self._pool = await db.create_pool(self._dsn, min_size=1, max_size=self.concurrency)
+            self._pool = await db.create_pool(
+                self._dsn, min_size=1, max_size=self.concurrency, **self._pool_options
+            )
         # A lane keeps its connection while the consumer runs.  In a pool of the
         # caller's, one connection stays free for the caller's own code.
         size = self.concurrency
         if not self._own_pool:
             size = max(1, min(size, _pool_size(self._pool) - 1))
+        self._lanes = lanes.Lanes(self._pool, size)
+        # Set in each of the consumer's transactions, whatever the pool says: the
+        # server never cuts the session of a handler still within its deadline.
         idle_timeout = self.handler_timeout + IDLE_MARGIN
-        # The server never cuts the session of a handler still within its deadline.
-        self._lanes = lanes.Lanes(
-            self._pool,
-            size,
-            {"idle_in_transaction_session_timeout": f"{round(idle_timeout * 1000)}"},
-        )
         await self._check_schema()
         self._settings = worker.Settings(
             group_id=self.group_id,
@@ -675,8 +681,7 @@ class IdempotentConsumer:
             async with self._lanes.lane() as lane:
                 try:
                     conn = await lane.connection()
-                    async with conn.transaction():
-                        await conn.execute(f"SET LOCAL lock_timeout = '{TAKEOVER_LOCK_TIMEOUT}'")
+                    async with db.transaction(conn, self._takeover_settings()):
                         return await self.store.take_partitions(
                             conn, self.group_id, self.holder, wanted
                         )
@@ -688,6 +693,13 @@ class IdempotentConsumer:
                     log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, worker.MAX_BACKOFF)
+
+    def _takeover_settings(self) -> dict[str, str]:
+        assert self._settings is not None  # noqa: S101 - started
+        return {
+            "lock_timeout": TAKEOVER_LOCK_TIMEOUT,
+            "idle_in_transaction_session_timeout": str(round(self._settings.idle_timeout * 1000)),
+        }
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         gone = [self._workers[tp] for tp in revoked if tp in self._workers]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import asyncpg
@@ -20,6 +23,20 @@ _RETRIABLE_STATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "5330
 # off by the server after this long, so a new owner never waits longer.
 IDLE_IN_TRANSACTION_TIMEOUT_MS = 10_000
 
+TRANSACTION_SETTINGS: Mapping[str, str] = {
+    "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_TIMEOUT_MS)
+}
+"""What the transactions dedup opens on a pool of its own run with (``SET LOCAL``).
+
+Settings go per transaction, never per session nor as startup parameters, so
+the same code runs directly on Postgres and through a pooler in transaction
+mode (pgbouncer), which rejects unknown startup parameters and hands each
+transaction whichever server connection is free.
+"""
+
+# Arguments of asyncpg.create_pool that dedup decides for the pool it opens.
+_OWN_POOL_ARGUMENTS = frozenset({"dsn", "init_size", "min_size", "max_size", "init"})
+
 
 async def init_connection(conn: asyncpg.Connection) -> None:
     """Pool ``init`` hook: json and jsonb go through orjson."""
@@ -33,11 +50,13 @@ async def init_connection(conn: asyncpg.Connection) -> None:
 
 
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwargs: Any) -> Any:
-    """Open an asyncpg pool for dedup's work, or raise an error that names the DSN's host."""
-    settings = {
-        "idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_TIMEOUT_MS),
-        "application_name": "dedup",
-    }
+    """Open an asyncpg pool for dedup's work, or raise an error that names the DSN's host.
+
+    The only startup parameter dedup adds is ``application_name`` (which
+    pgbouncer accepts); ``kwargs`` are asyncpg's (``statement_cache_size=0``
+    for pgbouncer in transaction mode).
+    """
+    settings = {"application_name": "dedup"}
     settings.update(kwargs.pop("server_settings", {}))
     try:
         return await asyncpg.create_pool(
@@ -48,11 +67,61 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwarg
             server_settings=settings,
             **kwargs,
         )
-    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+    except asyncpg.PostgresError as exc:
+        # The server (or a pooler in front of it) answered and said no.
+        raise errors.ServiceUnavailableError(
+            f"Postgres at {describe_dsn(dsn)} refused the connection: {exc}"
+        ) from exc
+    except (TimeoutError, OSError) as exc:
         raise errors.ServiceUnavailableError(
             f"cannot connect to Postgres with the dsn setting ({describe_dsn(dsn)}): {exc}; "
             "check the DSN, or start the local services with compose/local/up"
         ) from exc
+
+
+def check_pool_options(options: Mapping[str, Any] | None, *, pool: Any) -> dict[str, Any]:
+    """``pool_options`` checked against asyncpg's pool and connection arguments.
+
+    They configure the pool dedup opens for ``dsn=``: with ``pool=`` the pool
+    is the caller's to configure, and the pool's size and ``init`` are dedup's.
+    """
+    if not options:
+        return {}
+    if pool is not None:
+        raise errors.ConfigurationError(
+            "pool_options configure the pool dedup opens for dsn=; with pool=, "
+            "pass them to asyncpg.create_pool yourself"
+        )
+    known = set(inspect.signature(asyncpg.create_pool).parameters) | set(
+        inspect.signature(asyncpg.connect).parameters
+    )
+    unknown = sorted(set(options) - (known - _OWN_POOL_ARGUMENTS - {"connect_kwargs"}))
+    if unknown:
+        raise errors.ConfigurationError(
+            f"pool_options: {', '.join(unknown)} not accepted: give options of "
+            "asyncpg.create_pool or asyncpg.connect (e.g. statement_cache_size=0); "
+            "dedup sizes its pool itself"
+        )
+    return dict(options)
+
+
+async def set_local(conn: asyncpg.Connection, settings: Mapping[str, str]) -> None:
+    """Apply ``settings`` for the rest of the open transaction (``SET LOCAL``), in one statement."""
+    if not settings:
+        return
+    calls = ", ".join(f"set_config(${2 * i + 1}, ${2 * i + 2}, true)" for i in range(len(settings)))
+    args = [part for pair in settings.items() for part in pair]
+    await conn.execute("SELECT " + calls, *args)
+
+
+@contextlib.asynccontextmanager
+async def transaction(
+    conn: asyncpg.Connection, settings: Mapping[str, str] | None = None
+) -> AsyncIterator[asyncpg.Connection]:
+    """``conn.transaction()`` whose first statement applies ``settings`` (``SET LOCAL``)."""
+    async with conn.transaction():
+        await set_local(conn, settings or {})
+        yield conn
 
 
 def describe_dsn(dsn: str) -> str:

@@ -31,25 +31,19 @@ MAX_SERIAL_COOLDOWN = 600.0
 class Lane:
     """A connection of the consumer's, kept from one transaction to the next."""
 
-    def __init__(self, pool: Any, session_settings: dict[str, str]) -> None:
+    def __init__(self, pool: Any) -> None:
         self._pool = pool
-        self._settings = session_settings
         self._conn: asyncpg.Connection | None = None
 
     async def connection(self) -> asyncpg.Connection:
-        """The lane's connection, (re)acquired from the pool when it has none or lost it."""
+        """The lane's connection, (re)acquired from the pool when it has none or lost it.
+
+        Nothing is set on the session: each transaction sets what it needs
+        (``SET LOCAL``), which a pooler in transaction mode keeps too.
+        """
         if self._conn is None or not _usable(self._conn):
             await self.release()
-            conn = await self._pool.acquire()
-            try:
-                # Session settings on a connection of the caller's pool: asyncpg's
-                # release runs RESET ALL, so they go back with the connection.
-                for name, value in self._settings.items():
-                    await conn.execute("SELECT set_config($1, $2, false)", name, value)
-            except BaseException:
-                await self._pool.release(conn)
-                raise
-            self._conn = conn
+            self._conn = await self._pool.acquire()
         return self._conn
 
     async def release(self) -> None:
@@ -70,9 +64,9 @@ class Lane:
 class Lanes:
     """Lends lanes: up to ``size`` side by side, or one at a time after a deadlock."""
 
-    def __init__(self, pool: Any, size: int, session_settings: dict[str, str]) -> None:
+    def __init__(self, pool: Any, size: int) -> None:
         self.size = size
-        self._free = [Lane(pool, session_settings) for _ in range(size)]
+        self._free = [Lane(pool) for _ in range(size)]
         self._all = list(self._free)
         self._busy = 0
         self._exclusive_waiting = 0

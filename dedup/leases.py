@@ -84,12 +84,14 @@ def _lease(row: asyncpg.Record, namespace: str | None, key: str | None) -> Lease
 
 
 @contextlib.asynccontextmanager
-async def _transaction(conn: asyncpg.Connection) -> AsyncIterator[asyncpg.Connection]:
-    """The caller's open transaction, or a new one: never a savepoint."""
+async def _transaction(
+    conn: asyncpg.Connection, settings: Mapping[str, str]
+) -> AsyncIterator[asyncpg.Connection]:
+    """The caller's open transaction, or a new one (with ``settings``): never a savepoint."""
     if conn.is_in_transaction():
         yield conn
         return
-    async with conn.transaction():
+    async with db.transaction(conn, settings):
         yield conn
 
 
@@ -98,23 +100,34 @@ class Leases:
 
     Methods that take ``conn`` run on it, inside its transaction when one is
     open (so a lease can change together with other rows); without ``conn``
-    they use a connection of ``pool`` and commit by themselves.
+    they use a connection of ``pool`` and commit by themselves.  The
+    transactions they open run with ``transaction_settings`` (``SET LOCAL``;
+    :class:`dedup.TaskRunner` gives dedup's idle-in-transaction timeout when
+    the pool is its own).
     """
 
-    def __init__(self, pool: Any, *, schema_name: str = schema.DEFAULT_SCHEMA) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        schema_name: str = schema.DEFAULT_SCHEMA,
+        transaction_settings: Mapping[str, str] | None = None,
+    ) -> None:
         self.pool = pool
         """The asyncpg pool used when no connection is given."""
         self.schema_name = schema_name
         """The schema of the ``leases`` and ``events`` tables."""
+        self.transaction_settings = dict(transaction_settings or {})
+        """Postgres settings of the transactions opened here, e.g. a lock or idle timeout."""
         self._q = schema.Queries(schema_name)
 
     @contextlib.asynccontextmanager
     async def _conn(self, conn: asyncpg.Connection | None) -> AsyncIterator[asyncpg.Connection]:
         if conn is not None:
-            async with _transaction(conn):
+            async with _transaction(conn, self.transaction_settings):
                 yield conn
             return
-        async with self.pool.acquire() as own, own.transaction():
+        async with self.pool.acquire() as own, db.transaction(own, self.transaction_settings):
             yield own
 
     async def _record(

@@ -72,12 +72,14 @@ async def migrate(
     """Bring the schema up to date; return the names of the migrations applied now.
 
     ``dsn_or_pool`` is a DSN string, an asyncpg pool or an asyncpg connection.
+    A DSN gets a connection without a statement cache (each statement runs
+    once anyway), so it works through a pooler in transaction mode too.
     """
     schema.quote(schema_name)  # fail fast, before connecting, on a bad name
     pending = discover(directory or schema.migrations_dir())
     if isinstance(dsn_or_pool, str):
         try:
-            conn = await asyncpg.connect(dsn_or_pool)
+            conn = await asyncpg.connect(dsn_or_pool, statement_cache_size=0)
         except (OSError, asyncpg.PostgresError) as exc:
             raise errors.ServiceUnavailableError(
                 f"cannot connect to Postgres at {db.describe_dsn(dsn_or_pool)} to migrate: {exc}"

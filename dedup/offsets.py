@@ -34,7 +34,7 @@ import aiokafka.errors
 import asyncpg
 from aiokafka.structs import TopicPartition
 
-from dedup import errors, events, report, schema, timespec
+from dedup import db, errors, events, report, schema, timespec
 
 OPERATOR_PREFIX = "dedup offsets "
 """How the holder of a partition moved by this command starts."""
@@ -373,8 +373,7 @@ async def move(
         raise kafka.unavailable(exc) from exc
 
     holder = operator_holder(m.action, m.who or default_who())
-    async with conn.transaction():
-        await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+    async with db.transaction(conn, {"lock_timeout": LOCK_TIMEOUT}):
         await _lock(conn, queries, m, targets)
         moving = [t for t in targets if t.status != "unchanged"]
         if moving:

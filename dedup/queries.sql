@@ -49,7 +49,10 @@ UPDATE {schema}.partitions
 -- duplicate (same payload hash) or conflict (different hash) counted instead.
 -- $1 group, $2 topic, $3 partition, $4 new next_offset, $5 token (NULL: no fence,
 -- for wrap()), $6 expected next_offset, $7 namespace, $8 keys, $9 offsets,
--- $10 payload hashes.
+-- $10 payload hashes, $11 the transaction's idle_in_transaction_session_timeout
+-- (NULL: the session's).  The setting rides on this statement, the batch's
+-- first, instead of a SET LOCAL of its own: no round trip more per batch, and
+-- nothing per session, so it holds through a pooler in transaction mode.
 WITH fence AS (
     UPDATE {schema}.partitions
        SET next_offset = $4, updated_at = now()
@@ -70,7 +73,10 @@ WITH fence AS (
               p.topic, p."partition", p."offset"
 )
 SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
-  FROM (SELECT) AS one LEFT JOIN claim ON true
+  FROM (SELECT set_config('idle_in_transaction_session_timeout',
+                          coalesce($11::text, current_setting('idle_in_transaction_session_timeout')),
+                          true)) AS settings
+  LEFT JOIN claim ON true
 
 -- name: claim_keys
 -- dedup.claim(): the claim of fence_and_claim without a fence, inside the

@@ -310,7 +310,9 @@ def _date(value: dt.date | str) -> dt.date:
 @contextlib.asynccontextmanager
 async def _connection(target: Any) -> AsyncIterator[asyncpg.Connection]:
     if isinstance(target, str):
-        pool = await db.create_pool(target, min_size=1, max_size=1)
+        # One check sends each query once: no statement cache, so a pooler in
+        # transaction mode (pgbouncer) works too.
+        pool = await db.create_pool(target, min_size=1, max_size=1, statement_cache_size=0)
         try:
             async with pool.acquire() as conn:
                 yield conn

@@ -16,7 +16,9 @@ inserting into while the purge runs:
    few contiguous blocks holding about ``batch_size`` old rows (5,000 by
    default), with a pause between batches.  No long transaction holds back
    vacuum, no lock is held for more than one batch, and ``lock_timeout``
-   keeps a batch from queueing behind a consumer's transaction for long.
+   (``SET LOCAL`` in each batch's transaction, so it holds through a pooler
+   in transaction mode too) keeps a batch from queueing behind a consumer's
+   transaction for long.
 4. Once a range is done it is summarized afresh
    (``brin_desummarize_range`` + ``brin_summarize_range``), because BRIN
    summaries only ever widen: without it every purged range would stay a
@@ -47,13 +49,15 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors, report, schema, timespec
+from dedup import db, errors, report, schema, timespec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 5000
 DEFAULT_PAUSE = 0.05
 BATCH_LOCK_TIMEOUT = "2s"
+BATCH_SETTINGS = {"lock_timeout": BATCH_LOCK_TIMEOUT}
+"""Each DELETE batch is a transaction of its own with these settings (``SET LOCAL``)."""
 RESUMMARIZE_LOCK_TIMEOUT = "100ms"
 # Waits between tries when rows or the table are locked (whatever --pause is):
 # a consumer's transaction ends in milliseconds, an autovacuum of a small table
@@ -223,12 +227,13 @@ class _Purge:
     async def _delete(self, batch: Batch) -> bool:
         for attempt, backoff in enumerate(BATCH_BACKOFF, start=1):
             try:
-                status = await self.conn.execute(
-                    self.queries.purge_processed_batch,
-                    (batch.lo, 0),
-                    (batch.hi, 0),
-                    self.result.cutoff,
-                )
+                async with db.transaction(self.conn, BATCH_SETTINGS):
+                    status = await self.conn.execute(
+                        self.queries.purge_processed_batch,
+                        (batch.lo, 0),
+                        (batch.hi, 0),
+                        self.result.cutoff,
+                    )
             except asyncpg.LockNotAvailableError:
                 log.info("purge: blocks %d-%d busy (try %d)", batch.lo, batch.hi, attempt)
                 await asyncio.sleep(backoff)
@@ -260,10 +265,9 @@ class _Purge:
             locked = []
             for brin_range in ranges:
                 try:
-                    async with self.conn.transaction():
-                        await self.conn.execute(
-                            f"SET LOCAL lock_timeout = '{RESUMMARIZE_LOCK_TIMEOUT}'"
-                        )
+                    async with db.transaction(
+                        self.conn, {"lock_timeout": RESUMMARIZE_LOCK_TIMEOUT}
+                    ):
                         await self.conn.execute(
                             self.queries.purge_resummarize, brin_range * self.pages_per_range
                         )
@@ -285,9 +289,10 @@ class _Purge:
 
     async def dead_letters(self) -> None:
         while True:
-            n = await self.conn.fetchval(
-                self.queries.purge_dead_letters_batch, self.result.cutoff, self.batch_size
-            )
+            async with db.transaction(self.conn, BATCH_SETTINGS):
+                n = await self.conn.fetchval(
+                    self.queries.purge_dead_letters_batch, self.result.cutoff, self.batch_size
+                )
             self.result.dead_letters += n
             if n < self.batch_size:
                 return
@@ -298,9 +303,10 @@ class _Purge:
         bound = await self.conn.fetchval(self.queries.purge_events_bound, cutoff)
         last = 0
         while bound is not None:
-            row = await self.conn.fetchrow(
-                self.queries.purge_events_batch, last, bound, cutoff, self.batch_size
-            )
+            async with db.transaction(self.conn, BATCH_SETTINGS):
+                row = await self.conn.fetchrow(
+                    self.queries.purge_events_batch, last, bound, cutoff, self.batch_size
+                )
             if not row["n"]:
                 return
             self.result.events += row["n"]
@@ -371,15 +377,11 @@ async def purge(
         result.processed, result.dead_letters = counts["processed"], counts["dead_letters"]
         result.events = counts["events"] if events_cutoff is not None else None
     else:
-        await conn.execute(f"SET lock_timeout = '{BATCH_LOCK_TIMEOUT}'")
-        try:
-            work = _Purge(conn, schema_name, result, batch_size, pause)
-            await work.processed()
-            await work.dead_letters()
-            if events_cutoff is not None:
-                await work.events(events_cutoff)
-        finally:
-            await conn.execute("RESET lock_timeout")
+        work = _Purge(conn, schema_name, result, batch_size, pause)
+        await work.processed()
+        await work.dead_letters()
+        if events_cutoff is not None:
+            await work.events(events_cutoff)
     result.seconds = time.monotonic() - started
     log.info(
         "purge: %d keys, %d dead letters, %s events older than %s in %.1fs",

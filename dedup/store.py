@@ -199,12 +199,15 @@ class Store:
         dead: Sequence[DeadLetter] = (),
         group_id: str | None = None,
         handler_timeout: float | None = None,
+        idle_timeout: float | None = None,
     ) -> BatchResult:
         """Apply one batch inside the caller's open transaction (see the module docstring).
 
         ``msgs`` have their idempotency keys set; ``dead`` are messages of the same
         partition to dead-letter instead of applying.  All of them are consecutive
-        records of one partition.
+        records of one partition.  ``idle_timeout`` (seconds) is the transaction's
+        ``idle_in_transaction_session_timeout`` from its first statement on
+        (None: the session's own).
         """
         result = BatchResult(dead_letters=list(dead))
         first, copies = _first_copies(msgs)
@@ -228,6 +231,7 @@ class Store:
             keys,
             [first[k][0].offset for k in keys],
             [first[k][1] for k in keys],
+            None if idle_timeout is None else str(round(idle_timeout * 1000)),
         )
         if fence is not None and rows[0]["fenced"] == 0:
             raise errors.StaleTokenError(

@@ -159,7 +159,10 @@ class TaskRun:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
         """A connection in a transaction that commits only if the fence holds at the end."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with (
+            self.pool.acquire() as conn,
+            db.transaction(conn, self._leases.transaction_settings),
+        ):
             yield conn
             await self.fence(conn)
 
@@ -266,9 +269,14 @@ class TaskRunner:
     """Runs jobs once per (task code, business key), coordinated through Postgres.
 
     Give it ``dsn`` (a pool is opened per :meth:`run`, or once for the runner
-    inside ``async with``) or ``pool`` (any asyncpg pool: dedup sends and reads
-    JSON as text, so the pool's codecs don't matter).  ``holder``
-    names this runner in leases and events (default ``hostname:pid``).
+    inside ``async with``; ``pool_options`` go to ``asyncpg.create_pool``, e.g.
+    ``{"statement_cache_size": 0}`` behind pgbouncer in transaction mode) or
+    ``pool`` (any asyncpg pool: dedup sends and reads JSON as text, so the
+    pool's codecs don't matter).  ``holder`` names this runner in leases and
+    events (default ``hostname:pid``).  On its own pool, the runner's
+    transactions run with an idle-in-transaction timeout (``SET LOCAL``), so a
+    paused runner never holds a task or lease row for long; a pool of yours
+    keeps its own settings.
     """
 
     def __init__(
@@ -281,9 +289,13 @@ class TaskRunner:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         renew_fraction: float = leases.DEFAULT_RENEW_FRACTION,
         on_lease_lost: LeaseLostCallback | None = None,
+        pool_options: Mapping[str, Any] | None = None,
     ) -> None:
         if (dsn is None) == (pool is None):
             raise errors.ConfigurationError("TaskRunner needs dsn=... or pool=..., not both")
+        self._pool_options = db.check_pool_options(pool_options, pool=pool)
+        # dedup's idle timeout goes with dedup's pool; a pool of yours keeps its settings.
+        self._settings: Mapping[str, str] = db.TRANSACTION_SETTINGS if pool is None else {}
         if max_attempts < 1:
             raise errors.ConfigurationError(f"max_attempts must be at least 1, not {max_attempts}")
         if not 0 < renew_fraction < 1:
@@ -308,7 +320,9 @@ class TaskRunner:
 
     async def __aenter__(self) -> TaskRunner:
         if self._pool is None and self.dsn is not None:
-            self._pool = await db.create_pool(self.dsn, min_size=1, max_size=4)
+            self._pool = await db.create_pool(
+                self.dsn, min_size=1, max_size=4, **self._pool_options
+            )
             self._owns_pool = True
         return self
 
@@ -328,7 +342,7 @@ class TaskRunner:
             yield self._pool
             return
         assert self.dsn is not None  # noqa: S101 (checked in __init__)
-        pool = await db.create_pool(self.dsn, min_size=1, max_size=4)
+        pool = await db.create_pool(self.dsn, min_size=1, max_size=4, **self._pool_options)
         try:
             yield pool
         finally:
@@ -402,9 +416,11 @@ class TaskRunner:
         self, pool: Any, task: str, key: str, ttl: float, force: bool
     ) -> TaskRun | TaskOutcome:
         """Decide, under the task row's lock, whether this runner runs the job now."""
-        lease_book = leases.Leases(pool, schema_name=self.schema_name)
+        lease_book = leases.Leases(
+            pool, schema_name=self.schema_name, transaction_settings=self._settings
+        )
         resource = resource_for(task, key)
-        async with pool.acquire() as conn, conn.transaction():
+        async with pool.acquire() as conn, db.transaction(conn, self._settings):
             await conn.execute(self._q.task_ensure, task, key)
             row = await conn.fetchrow(self._q.task_get + "\n   FOR UPDATE", task, key)
             state: str = row["state"]
@@ -574,7 +590,10 @@ class TaskRunner:
         state = "failed" if error is not None else "succeeded"
         stored, text = _json(result)
         try:
-            async with run.pool.acquire() as conn, conn.transaction():
+            async with (
+                run.pool.acquire() as conn,
+                db.transaction(conn, run._leases.transaction_settings),
+            ):
                 attempts = await conn.fetchval(
                     self._q.task_finish, run.task, run.business_key, run.token, state, text, error
                 )

@@ -59,7 +59,7 @@ class Settings:
     max_attempts: int
     handler_timeout: float
     idle_timeout: float
-    """The server's idle_in_transaction_session_timeout on the lanes, in seconds."""
+    """The server's idle_in_transaction_session_timeout in each batch's transaction, in seconds."""
     database: str
 
 
@@ -431,6 +431,7 @@ class PartitionWorker:
                         fence=store.Fence(self._s.group_id, self.token, self.expected),
                         dead=dead,
                         handler_timeout=self._s.handler_timeout,
+                        idle_timeout=self._s.idle_timeout,
                     )
         self.expected = result.next_offset
         self._count(result, batch, time.perf_counter() - started)

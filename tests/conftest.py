@@ -11,6 +11,11 @@ Nothing is skipped: a test that can't reach a service fails and says how to
 start it.  Each integration test gets its own database, cloned from a template
 migrated once per run, and its own topics.  Nothing here writes ``PG*`` or
 ``DEDUP_*`` into ``os.environ``; tests that want a DSN take a fixture.
+
+Tests that take ``pgbouncer_dsn`` reach their database through pgbouncer in
+transaction mode: ``DEDUP_PGBOUNCER_DSN`` (yours, in front of the Postgres of
+``DEDUP_DSN``), else the one ``compose/local/up pgbouncer`` starts (installing
+Debian's package first when it can).
 """
 
 from __future__ import annotations
@@ -82,7 +87,9 @@ def _testcontainers() -> Iterator[Services]:
 
 
 def _local_services_running() -> bool:
-    status = subprocess.run([ROOT / "compose/local/status"], capture_output=True, check=False)
+    status = subprocess.run(
+        [ROOT / "compose/local/status", "kafka", "postgres"], capture_output=True, check=False
+    )
     return status.returncode == 0
 
 
@@ -168,6 +175,42 @@ async def dsn(services: Services, template_database: str) -> AsyncIterator[str]:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(services: Services) -> str:
+    """A DSN of pgbouncer (transaction pooling) in front of the test Postgres, found or started."""
+    found = os.environ.get("DEDUP_PGBOUNCER_DSN")
+    if found:
+        return found
+    # compose/local/up puts it in front of the Postgres of DEDUP_DSN: this run's.
+    env = {**os.environ, "DEDUP_DSN": services.dsn}
+    started = subprocess.run(
+        [ROOT / "compose/local/up", "pgbouncer"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    services_dir = Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")
+    dsn = _read_env_file(services_dir / "env").get("DEDUP_PGBOUNCER_DSN")
+    if started.returncode != 0 or not dsn:
+        pytest.fail(
+            f"pgbouncer is not running and `compose/local/up pgbouncer` failed:\n"
+            f"{started.stderr}\nstart it with `compose/local/up pgbouncer` (it installs "
+            "Debian's pgbouncer when run as root; else `sudo apt-get install pgbouncer` "
+            "first), or set DEDUP_PGBOUNCER_DSN to a pgbouncer in transaction mode in "
+            "front of DEDUP_DSN's server",
+            pytrace=False,
+        )
+    return dsn
+
+
+@pytest.fixture
+def pgbouncer_dsn(pgbouncer: str, dsn: str) -> str:
+    """This test's database (the ``dsn`` fixture's, made on the server) through pgbouncer."""
+    return _with_database(pgbouncer, dsn.rpartition("/")[2])
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def test_other_statements_pass(sql: str) -> None:
 
 
 async def test_a_lane_alone_waits_for_the_others_and_keeps_them_out() -> None:
-    pool = lanes.Lanes(pool=None, size=3, session_settings={})
+    pool = lanes.Lanes(pool=None, size=3)
     order: list[str] = []
     first_in = asyncio.Event()
     release_first = asyncio.Event()
@@ -89,7 +89,7 @@ async def test_a_lane_alone_waits_for_the_others_and_keeps_them_out() -> None:
 
 
 async def test_after_a_deadlock_lanes_run_one_at_a_time() -> None:
-    pool = lanes.Lanes(pool=None, size=4, session_settings={})
+    pool = lanes.Lanes(pool=None, size=4)
     assert not pool.serial
     pool.deadlocked()
     assert pool.serial

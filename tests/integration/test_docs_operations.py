@@ -1,0 +1,121 @@
+"""Every snippet of docs/operations.md runs as written, through pgbouncer in transaction mode.
+
+In page order: the pgbouncer settings shown are the ones ``compose/local/up
+pgbouncer`` runs with; that command starts (or finds) it; the tables are made;
+the example service runs a job and consumes through pgbouncer until SIGTERM;
+then the ``dedup`` commands run through it.  The page's topic and group
+``payments`` become this test's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import configparser
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tests import helpers
+from tests.conftest import ROOT, Services, Topics
+from tests.integration import docs_support
+
+PAGE = ROOT / "docs" / "operations.md"
+SERVICES_DIR = Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")
+# Where the local pgbouncer's settings differ by machine, not by meaning.
+LOCAL_SETTINGS = {"listen_port"}
+
+
+def check_settings(shown: str) -> None:
+    """The page's pgbouncer.ini is what compose/local/up wrote, but for machine-local values."""
+    page, ours = configparser.ConfigParser(), configparser.ConfigParser()
+    page.read_string(shown)
+    ours.read(SERVICES_DIR / "pgbouncer" / "pgbouncer.ini")
+    assert set(page["databases"]) == set(ours["databases"]) == {"*"}
+    for name, value in page["pgbouncer"].items():
+        if name not in LOCAL_SETTINGS:
+            assert ours["pgbouncer"][name] == value, name
+    assert "ignore_startup_parameters" not in ours["pgbouncer"], "dedup needs none"
+
+
+async def run_console(text: str, env: dict[str, str], ours: Any) -> None:
+    for command, expected in docs_support.console(text):
+        done = await asyncio.to_thread(docs_support.run, ours(command), env)
+        assert docs_support.expected_pattern(ours(expected)).fullmatch(done), (
+            f"`{command}` printed:\n{done}\nthe page says:\n{expected}"
+        )
+
+
+async def test_every_snippet_of_the_pooler_section_runs_as_written(
+    services: Services,
+    bootstrap_servers: str,
+    topics: Topics,
+    pool: Any,
+    pgbouncer_dsn: str,
+    tmp_path: Path,
+) -> None:
+    topic = await topics.create()
+    group = f"g-{topic}"
+
+    def ours(text: str) -> str:
+        """A console line or its output, with the port the local pgbouncer listens on."""
+        if "127.0.0.1:6432/" not in text:
+            return text
+        port = (SERVICES_DIR / "pgbouncer" / "port").read_text().strip()
+        return text.replace("127.0.0.1:6432/", f"127.0.0.1:{port}/")
+
+    blocks = docs_support.checked_snippets(PAGE.name, PAGE.read_text(encoding="utf-8"))
+    assert [language for language, _ in blocks] == ["ini", "console", "sql", "python", "console"]
+    (_, ini), (_, start), (_, tables), (_, service), (_, commands) = blocks
+
+    # compose/local/up pgbouncer, for the Postgres the tests' databases are made on.
+    env = docs_support.shell_env(services.dsn, bootstrap_servers)
+    if "DEDUP_SERVICES_DIR" in os.environ:
+        env["DEDUP_SERVICES_DIR"] = os.environ["DEDUP_SERVICES_DIR"]
+    await run_console(start, env, ours)
+    check_settings(ini)
+
+    await pool.execute(tables)
+    payments = [("pay-1", 100), ("pay-1", 100), ("pay-2", 40)]  # pay-1 delivered twice
+    await helpers.produce(
+        bootstrap_servers,
+        topic,
+        [(None, orjson.dumps({"payment_id": p, "amount": a})) for p, a in payments],
+    )
+    service = service.replace('topics=["payments"]', f'topics=["{topic}"]')
+    (tmp_path / "service.py").write_text(service.replace('"payments"', f'"{group}"'))
+    env = docs_support.shell_env(services.dsn, bootstrap_servers)
+    env["DEDUP_PGBOUNCER_DSN"] = pgbouncer_dsn
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "service.py",
+        cwd=tmp_path,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await helpers.wait_for(
+            lambda: pool.fetchval(
+                "SELECT duplicates = 1 FROM dedup.processed WHERE idempotency_key = 'pay-1'"
+            ),
+            what="pay-1 applied, its copy suppressed",
+        )
+        await helpers.wait_for(
+            lambda: pool.fetchval("SELECT count(*) = 2 FROM payments_seen"), what="pay-2"
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode() == "open-day 2026-11-30: succeeded\n"
+    assert [tuple(r) for r in await pool.fetch("SELECT day FROM days")] == [("2026-11-30",)]
+    seen = await pool.fetch("SELECT payment_id, amount FROM payments_seen ORDER BY 1")
+    assert [tuple(r) for r in seen] == [("pay-1", 100), ("pay-2", 40)]
+
+    env = docs_support.shell_env(pgbouncer_dsn, bootstrap_servers)
+    env["DEDUP_PGBOUNCER_DSN"] = pgbouncer_dsn
+    await run_console(commands, env, ours)
