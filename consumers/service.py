@@ -166,7 +166,7 @@ async def connect(dsn: str, *, max_size: int = 4) -> Any:
             max_size=max_size,
             server_settings={"application_name": "dedup-consumers"},
         )
-    except (OSError, asyncpg.PostgresError) as exc:
+    except (OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise dedup.ServiceUnavailableError(f"cannot connect to Postgres: {exc}") from exc
 
 

@@ -76,11 +76,56 @@ def _dsn(args: argparse.Namespace) -> str:
 
 
 async def _migrate(args: argparse.Namespace) -> int:
+    schema.quote(args.schema)  # a bad name is bad usage, found before connecting
+    if args.all and not args.sql:
+        raise errors.ConfigurationError("--all goes with --sql")
+    if args.format != "table" and not args.status:
+        raise errors.ConfigurationError("--format goes with --status")
+    if args.sql:
+        if args.all:
+            found = migrations.discover(schema.migrations_dir())
+        else:
+            found = await migrations.pending(_dsn(args), schema_name=args.schema)
+        print(migrations.script(found, schema_name=args.schema), end="")
+        return EXIT_OK
+    if args.status:
+        return _migration_status(await migrations.status(_dsn(args), schema_name=args.schema), args)
     applied = await migrations.migrate(_dsn(args), schema_name=args.schema)
     for name in applied:
         print(f"applied {name}")
     print(f"schema {args.schema} is up to date ({len(applied)} applied now)")
     return EXIT_OK
+
+
+_MIGRATION_COLUMNS = [
+    report.Column(name) for name in ("component", "version", "name", "status", "applied_at")
+]
+
+
+def _migration_status(found: list[migrations.Status], args: argparse.Namespace) -> int:
+    """Print what is applied and pending; exit 1 while something is pending."""
+    rows = [
+        {
+            "component": s.component,
+            "version": s.version,
+            "name": s.name,
+            "status": s.status,
+            "applied_at": report.utc(s.applied_at),
+        }
+        for s in found
+    ]
+    waiting = sum(s.status == migrations.PENDING for s in found)
+    done = report.Report(
+        query={"schema": args.schema},
+        sections=[report.Section("migrations", "migrations", _MIGRATION_COLUMNS, rows)],
+    )
+    print(done.render(args.format))
+    if args.format == "table":
+        if waiting:
+            print(f"\n{waiting} pending: run `dedup migrate` (or apply `dedup migrate --sql`)")
+        else:
+            print(f"\nschema {args.schema} is up to date")
+    return EXIT_PROBLEM if waiting else EXIT_OK
 
 
 EXIT_SKIPPED_DONE = 3
@@ -238,6 +283,7 @@ async def _connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connect
     pool = await db.create_pool(_dsn(args), min_size=1, max_size=1, **POOL_OPTIONS)
     try:
         async with pool.acquire() as conn:
+            await migrations.check(conn, schema_name=args.schema)
             yield conn
     except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError) as exc:
         raise errors.ConfigurationError(
@@ -684,7 +730,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("migrate", help="create or update dedup's tables (safe to rerun)")
+    p = sub.add_parser(
+        "migrate",
+        help="create or update dedup's tables (safe to rerun); print their SQL; list them",
+        description="Applies the pending migrations under an advisory lock. Exit codes: "
+        "0 done (--status: up to date), 1 --status: migrations are pending, 2 bad usage, "
+        "or a role that may not migrate.",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the SQL of the pending migrations instead of applying it "
+        "(for alembic, flyway, a DBA)",
+    )
+    what.add_argument("--status", action="store_true", help="list applied and pending migrations")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="with --sql: every migration, for an empty schema; needs no database",
+    )
+    p.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="with --status: aligned table, or one JSON document",
+    )
     _common(p)
     p.set_defaults(func=_migrate)
 

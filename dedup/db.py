@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import errors
+from dedup import conninfo, errors
 
 # SQLSTATE classes and codes after which the same transaction can succeed when
 # tried again: connection exceptions (08), serialization failure (40001),
@@ -50,33 +50,34 @@ async def init_connection(conn: asyncpg.Connection) -> None:
 
 
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwargs: Any) -> Any:
-    """Open an asyncpg pool for dedup's work, or raise an error that names the DSN's host.
+    """Open an asyncpg pool for dedup's work, or raise an error that shows the DSN, redacted.
 
-    The only startup parameter dedup adds is ``application_name`` (which
-    pgbouncer accepts); ``kwargs`` are asyncpg's (``statement_cache_size=0``
-    for pgbouncer in transaction mode).
+    ``dsn`` is a URL or libpq keyword/value pairs (:mod:`dedup.conninfo`).  The
+    only startup parameter dedup adds is ``application_name`` (which pgbouncer
+    accepts); ``kwargs`` are asyncpg's (``statement_cache_size=0`` for
+    pgbouncer in transaction mode).
     """
     settings = {"application_name": "dedup"}
     settings.update(kwargs.pop("server_settings", {}))
     try:
         return await asyncpg.create_pool(
-            dsn,
+            conninfo.to_url(dsn),
             min_size=min_size,
             max_size=max_size,
             init=init_connection,
             server_settings=settings,
             **kwargs,
         )
-    except asyncpg.PostgresError as exc:
-        # The server (or a pooler in front of it) answered and said no.
-        raise errors.ServiceUnavailableError(
-            f"Postgres at {describe_dsn(dsn)} refused the connection: {exc}"
-        ) from exc
-    except (TimeoutError, OSError) as exc:
-        raise errors.ServiceUnavailableError(
-            f"cannot connect to Postgres with the dsn setting ({describe_dsn(dsn)}): {exc}; "
-            "check the DSN, or start the local services with compose/local/up"
-        ) from exc
+    except CONNECT_ERRORS as exc:
+        raise connect_error(dsn, exc) from exc
+
+
+async def connect(dsn: str, **kwargs: Any) -> asyncpg.Connection:
+    """One connection (no codecs of dedup's), or the same errors as :func:`create_pool`."""
+    try:
+        return await asyncpg.connect(conninfo.to_url(dsn), **kwargs)
+    except CONNECT_ERRORS as exc:
+        raise connect_error(dsn, exc) from exc
 
 
 def check_pool_options(options: Mapping[str, Any] | None, *, pool: Any) -> dict[str, Any]:
@@ -125,13 +126,38 @@ async def transaction(
 
 
 def describe_dsn(dsn: str) -> str:
-    """The DSN without its password, for error messages and logs."""
-    head, at, tail = dsn.rpartition("@")
-    if not at:
-        return dsn
-    scheme, _, userinfo = head.partition("://")
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}@{tail}"
+    """The DSN with every password masked, for errors and logs (:func:`conninfo.redact`)."""
+    return conninfo.redact(dsn)
+
+
+CONNECT_ERRORS = (TimeoutError, OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError)
+"""What opening a connection can raise: unreachable, refused, or a DSN asyncpg cannot read."""
+
+
+def connect_error(dsn: str, exc: BaseException) -> errors.DedupError:
+    """The error to raise when connecting with ``dsn`` failed with ``exc``; no secret in it.
+
+    A DSN that cannot be read, a failed authentication or a database that
+    does not exist is a :class:`~dedup.errors.ConfigurationError`; anything
+    else (refused, unknown host, timeout) a :class:`~dedup.errors.ServiceUnavailableError`.
+    """
+    shown = describe_dsn(dsn)
+    reason = conninfo.scrub(str(exc) or type(exc).__name__, dsn)
+    if isinstance(exc, ValueError):
+        return errors.ConfigurationError(
+            f"cannot use the dsn setting ({shown}): {reason}; give a postgresql:// URL "
+            "or libpq keyword=value pairs"
+        )
+    state = getattr(exc, "sqlstate", None) or ""
+    if state.startswith("28") or state == "3D000":
+        # Authentication failed, or no such database: trying again cannot help.
+        return errors.ConfigurationError(
+            f"Postgres refused the dsn setting ({shown}): {reason}; check the DSN"
+        )
+    return errors.ServiceUnavailableError(
+        f"cannot connect to Postgres with the dsn setting ({shown}): {reason}; "
+        "check the DSN, or start the local services with compose/local/up"
+    )
 
 
 DATABASE_ERRORS = (

@@ -35,7 +35,7 @@ import asyncpg
 import orjson
 from opentelemetry import trace
 
-from dedup import db, errors, events, leases, schema, telemetry
+from dedup import db, errors, events, leases, migrations, schema, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +316,7 @@ class TaskRunner:
         """Called with the run and the error when its lease is lost (the job is cancelled too)."""
         self._pool = pool
         self._owns_pool = False
+        self._schema_checked = False
         self._q = schema.Queries(schema_name)
 
     async def __aenter__(self) -> TaskRunner:
@@ -339,14 +340,22 @@ class TaskRunner:
     @contextlib.asynccontextmanager
     async def _pool_for_run(self) -> AsyncIterator[Any]:
         if self._pool is not None:
+            await self._check_schema(self._pool)
             yield self._pool
             return
         assert self.dsn is not None  # noqa: S101 (checked in __init__)
         pool = await db.create_pool(self.dsn, min_size=1, max_size=4, **self._pool_options)
         try:
+            await self._check_schema(pool)
             yield pool
         finally:
             await pool.close()
+
+    async def _check_schema(self, pool: Any) -> None:
+        """Refuse a schema that lacks a migration this dedup needs (once per runner)."""
+        if not self._schema_checked:
+            await migrations.check(pool, schema_name=self.schema_name)
+            self._schema_checked = True
 
     async def run(
         self,

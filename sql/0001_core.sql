@@ -1,4 +1,4 @@
--- Core tables of dedup.  `{schema}` is replaced by the configured schema name,
+-- Core tables of dedup.  The schema name comes from configuration,
 -- validated and quoted; nothing else is ever formatted into SQL.
 
 -- One row per (namespace, idempotency key): the key was claimed in the same

@@ -26,10 +26,11 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -42,7 +43,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import db
+from dedup import conninfo, db
 
 ROOT = Path(__file__).resolve().parent.parent
 HOW_TO_START = (
@@ -130,7 +131,7 @@ async def _admin_connection(services: Services) -> asyncpg.Connection:
         return await asyncpg.connect(services.dsn, timeout=10)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         pytest.fail(
-            f"cannot reach Postgres at {db.describe_dsn(services.dsn)}: {exc}; {HOW_TO_START}",
+            f"cannot reach Postgres at {conninfo.redact(services.dsn)}: {exc}; {HOW_TO_START}",
             pytrace=False,
         )
 
@@ -225,6 +226,66 @@ async def pool(dsn: str) -> AsyncIterator[Any]:
 def bootstrap_servers(services: Services) -> str:
     """Kafka's address."""
     return services.bootstrap_servers
+
+
+async def _execute(services: Services, *statements: str) -> None:
+    """Run ``statements`` as the test services' admin role."""
+    conn = await _admin_connection(services)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+NewDatabase = Callable[[], Awaitable[str]]
+
+
+@pytest.fixture
+async def new_database(services: Services) -> AsyncIterator[NewDatabase]:
+    """``await new_database()`` -> the DSN of a new, empty database, dropped after the test."""
+    made: list[str] = []
+
+    async def make() -> str:
+        made.append(f"dedup_e_{uuid.uuid4().hex[:12]}")
+        await _execute(services, f'CREATE DATABASE "{made[-1]}"')
+        return _with_database(services.dsn, made[-1])
+
+    yield make
+    await _execute(services, *(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in made))
+
+
+def with_user(dsn: str, user: str) -> str:
+    """``dsn`` logging in as ``user`` (the test server trusts local connections)."""
+    parts = urlsplit(dsn)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
+LoginAs = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def login_as(services: Services, dsn: str) -> AsyncIterator[LoginAs]:
+    """``await login_as("dedup_audit")`` -> a DSN of this test's database for a new LOGIN
+    role granted that group role (``password=`` gives it one); dropped after the test."""
+    made: list[str] = []
+
+    async def make(group: str, *, password: str | None = None) -> str:
+        made.append(f"t_{group}_{uuid.uuid4().hex[:8]}")
+        given = "" if password is None else f" PASSWORD '{password}'"
+        await _execute(services, f'CREATE ROLE "{made[-1]}" LOGIN{given} IN ROLE {group}')
+        return with_user(dsn, made[-1])
+
+    yield make
+    if not made:
+        return
+    users = ", ".join(f'"{user}"' for user in made)
+    conn = await asyncpg.connect(dsn)  # what a role made in this database goes first
+    try:
+        await conn.execute(f"DROP OWNED BY {users}; DROP ROLE {users}")
+    finally:
+        await conn.close()
 
 
 class Topics:

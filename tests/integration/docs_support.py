@@ -17,6 +17,8 @@ BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 ROOT = Path(__file__).resolve().parent.parent.parent
 CLI_OFFSETS = "## `dedup offsets"
 """The heading of docs/reference/cli.md's section run by test_docs_offsets.py."""
+CLI_MIGRATE = "## `dedup migrate`"
+"""The heading of docs/reference/cli.md's section run by test_docs_migrate.py."""
 
 
 def snippets(page: Path) -> list[tuple[str, str]]:

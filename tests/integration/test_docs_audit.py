@@ -9,9 +9,9 @@ pointing at the test's services and must print exactly that (``...`` stands
 for anything on a line, or for any lines when alone).  A ``sql`` block runs in
 a transaction that is rolled back (it creates cluster-wide roles); a ``cron``
 block's commands run the way cron runs them.  A block of any other kind fails
-the test, so nothing is added to the pages without a run here.  The section on
-``dedup offsets`` tells a story of its own, with a running consumer; it is run
-by test_docs_offsets.py.
+the test, so nothing is added to the pages without a run here.  The sections on
+``dedup offsets`` (a story with a running consumer) and ``dedup migrate`` (an
+empty database) are run by test_docs_offsets.py and test_docs_migrate.py.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def blocks(page: Path) -> list[tuple[str, str]]:
     """(language, text) of each fenced code block of ``page``, in order."""
     text = page.read_text(encoding="utf-8")
     if page == CLI_PAGE:
-        text = docs_support.outside(text, docs_support.CLI_OFFSETS)
+        for own_story in (docs_support.CLI_OFFSETS, docs_support.CLI_MIGRATE):
+            text = docs_support.outside(text, own_story)
     return docs_support.checked_snippets(page.name, text)
 
 

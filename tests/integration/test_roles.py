@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -19,7 +16,7 @@ import pytest
 import dedup
 from dedup import schema
 from tests import helpers
-from tests.conftest import Topics
+from tests.conftest import LoginAs, Topics
 from tests.integration import consumer_support as support
 from tests.integration.audit_support import add_dead_letter, add_event, add_key, json_out, run_cli
 
@@ -27,39 +24,6 @@ RUNTIME_PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE"}
 # Tables whose rows the runtime role may not change once written.
 RUNTIME_EXCEPTIONS = {"events": {"SELECT", "INSERT"}, "migrations": {"SELECT"}}
 ALL_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
-
-LoginAs = Callable[[str], Awaitable[str]]
-
-
-def with_user(dsn: str, user: str) -> str:
-    """``dsn`` logging in as ``user`` (the test server trusts local connections)."""
-    parts = urlsplit(dsn)
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
-
-
-@pytest.fixture
-async def login_as(dsn: str) -> AsyncIterator[LoginAs]:
-    """``await login_as("dedup_audit")`` -> a DSN for a new LOGIN user granted that role."""
-    made: list[str] = []
-
-    async def make(group: str) -> str:
-        user = f"t_{group}_{uuid.uuid4().hex[:8]}"
-        conn = await asyncpg.connect(dsn)
-        try:
-            await conn.execute(f'CREATE ROLE "{user}" LOGIN IN ROLE {group}')
-        finally:
-            await conn.close()
-        made.append(user)
-        return with_user(dsn, user)
-
-    yield make
-    conn = await asyncpg.connect(dsn)
-    try:
-        for user in made:
-            await conn.execute(f'DROP ROLE IF EXISTS "{user}"')
-    finally:
-        await conn.close()
 
 
 async def _privileges(pool: Any, role: str) -> dict[str, set[str]]:

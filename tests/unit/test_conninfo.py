@@ -1,0 +1,69 @@
+"""DSNs shown without their passwords, in both forms libpq reads (dedup.conninfo)."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import pytest
+
+from dedup import conninfo
+
+SECRET = "s3cr@t/pw?x=1&y#z"  # noqa: S105 (a made-up password, for masking)
+"""A password with every character that has a meaning in a URL."""
+ENCODED = urllib.parse.quote(SECRET, safe="")
+
+
+@pytest.mark.parametrize(
+    ("dsn", "shown"),
+    [
+        ("postgresql://u:secret@h:5/d", "postgresql://u:***@h:5/d"),
+        (f"postgresql://u:{ENCODED}@h:5/d", "postgresql://u:***@h:5/d"),
+        ("postgresql:///d", "postgresql:///d"),
+        ("postgresql://u@h/d?password=secret", "postgresql://u@h/d?password=***"),
+        (
+            "postgres://h1:5432,h2:5433/d?sslmode=require&password=secret&application_name=x",
+            "postgres://h1:5432,h2:5433/d?sslmode=require&password=***&application_name=x",
+        ),
+        ("postgresql://h/d?sslpassword=secret#f", "postgresql://h/d?sslpassword=***#f"),
+        ("postgresql://u:secret@[::1]:5/d", "postgresql://u:***@[::1]:5/d"),
+        # Written unescaped, a password with '/' or '@' is still masked whole.
+        ("postgresql://u:sec/r@t@h/d", "postgresql://u:***@h/d"),
+        ("host=h user=u password=secret dbname=d", "host=h user=u password=*** dbname=d"),
+        ("host=h password = 'a \\'b\\' c' port=5", "host=h password = *** port=5"),
+        ("password=secret", "password=***"),
+        ("host=/var/run/postgresql dbname=d", "host=/var/run/postgresql dbname=d"),
+    ],
+)
+def test_every_form_of_password_is_masked(dsn: str, shown: str) -> None:
+    assert conninfo.redact(dsn) == shown
+
+
+@pytest.mark.parametrize(
+    "dsn", ["u:secret@h/d", "host=h password='secret", "secret", "", "not a dsn=", "=secret"]
+)
+def test_a_dsn_of_neither_form_is_not_shown_at_all(dsn: str) -> None:
+    assert conninfo.redact(dsn) == conninfo.UNREADABLE
+    assert "secret" not in conninfo.scrub(f"failed: {dsn}", dsn)
+
+
+def test_scrub_removes_the_dsn_and_its_password_as_written_and_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PGPASSWORD", "from-the-environment")
+    dsn = f"postgresql://u:{ENCODED}@h/d?password={ENCODED}"
+    text = f"cannot connect to {dsn}: {SECRET} {ENCODED} from-the-environment"
+    scrubbed = conninfo.scrub(text, dsn)
+    assert scrubbed == ("cannot connect to postgresql://u:***@h/d?password=***: *** *** ***")
+    keyword = "host=h password='a b\\'c'"
+    assert conninfo.scrub("a b'c / 'a b\\'c'", keyword) == "*** / ***"
+
+
+def test_keyword_pairs_become_a_url_asyncpg_reads() -> None:
+    url = conninfo.to_url("host=/tmp port=5433 user=u password='a b\\'c' dbname=d sslmode=disable")
+    assert url == (
+        "postgresql://?host=%2Ftmp&port=5433&user=u&password=a%20b%27c&dbname=d&sslmode=disable"
+    )
+    assert conninfo.to_url("postgresql://u@h/d") == "postgresql://u@h/d"
+    with pytest.raises(ValueError, match="at character 0") as caught:
+        conninfo.to_url("secret")
+    assert "secret" not in str(caught.value)
