@@ -48,7 +48,7 @@ import aiokafka
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
-from dedup import db, decoding, drivers, errors, keys, lanes, store, telemetry, worker
+from dedup import db, decoding, drivers, errors, keys, lanes, migrations, store, telemetry, worker
 from dedup import message as message_
 
 log = logging.getLogger(__name__)
@@ -415,12 +415,8 @@ class IdempotentConsumer:
         log.info("consumer %s started on %s (group %s)", self.holder, self.topics, self.group_id)
 
     async def _check_schema(self) -> None:
-        name = self.store.schema_name
-        found = await self._pool.fetchval("SELECT to_regclass($1)", f'"{name}".processed')
-        if found is None:
-            raise errors.ConfigurationError(
-                f"no dedup tables in schema {name!r}: run `dedup migrate --dsn ...` first"
-            )
+        """Refuse a schema that lacks a migration this dedup needs (it names the migration)."""
+        await migrations.check(self._pool, schema_name=self.store.schema_name)
 
     async def _shutdown(self) -> None:
         """Stop within ``shutdown_timeout`` (plus a few seconds), whatever the handlers do."""
