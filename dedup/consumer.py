@@ -562,6 +562,8 @@ class IdempotentConsumer:
             if task is None or not task.done():
                 continue
             if owner.moved is not None or owner.lost is not None:
+                if self._workers.get(tp) is not owner:
+                    continue  # revoked meanwhile
                 del self._workers[tp]
                 self._held.discard(tp)
                 if owner.moved is not None and tp in self._kafka.assignment():
@@ -569,6 +571,8 @@ class IdempotentConsumer:
                 else:
                     self._kafka.pause(tp)  # until Kafka assigns it again
                 continue
+            if owner.closing:
+                continue  # a revoke or the shutdown stopped it, and cleans up after it
             if task.cancelled():
                 raise errors.DedupError(f"the worker of {tp} was cancelled")
             failure = task.exception()
@@ -709,7 +713,9 @@ class IdempotentConsumer:
         with contextlib.suppress(aiokafka.errors.KafkaError):
             await self._commit_kafka(force=True)
         for owner in gone:
-            del self._workers[owner.tp]
+            # The fetch loop may have dropped it meanwhile (it lost the partition).
+            if self._workers.get(owner.tp) is owner:
+                del self._workers[owner.tp]
             self._held.discard(owner.tp)
             telemetry.transition(
                 "partition_revoked",

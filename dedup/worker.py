@@ -122,6 +122,11 @@ class PartitionWorker:
         self._more.set()
 
     @property
+    def closing(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._closing.is_set()
+
+    @property
     def idle(self) -> bool:
         """True when every record fed has been applied and nothing else is asked of it."""
         return not self.in_flight and not self._records and self._follow_to is None
