@@ -38,10 +38,12 @@ def progress_line(rnd: int, rounds: int, result: dict[str, Any]) -> str:
     if "error" in result:
         return f"{head} FAILED {result['error'].splitlines()[-1] if result['error'] else ''}"
     verdict = "ok" if result["ok"] else f"VOID ({result['check']})"
+    deadlocks = result.get("stats", {}).get("deadlocks")
     return (
         f"{head} {_num(result['msgs_per_s']):>9} msg/s  p50 {_num(result['p50_ms'], 1):>7} ms  "
         f"p99 {_num(result['p99_ms'], 1):>7} ms  cpu {result['cpu_s_per_10k']:.3f} s/10k  "
-        f"rss {result['peak_rss_mb']:.0f} MiB  {verdict}"
+        f"rss {result['peak_rss_mb']:.0f} MiB  "
+        f"{'' if deadlocks is None else f'deadlocks {deadlocks}  '}{verdict}"
     )
 
 
@@ -113,13 +115,34 @@ def table(summary: dict[str, Any]) -> str:
             lines.append("  ".join("-" * w for w in widths))
     cfg = summary.get("config", {})
     if cfg:
-        lines.append(
-            f"\n{cfg['messages']:,} records ({cfg['distinct_keys']:,} distinct keys), "
-            f"{cfg['partitions']} partitions, {cfg['rounds']} rounds; ratios are medians of "
-            "round-by-round ratios"
-        )
+        lines.append("")
+        if any(name not in arms.HOT_ARMS for name in summary["arms"]):
+            lines.append(
+                f"{cfg['messages']:,} records ({cfg['distinct_keys']:,} distinct keys), "
+                f"{cfg['partitions']} partitions, {cfg['rounds']} rounds; ratios are medians of "
+                "round-by-round ratios"
+            )
+        lines += hot_lines(summary)
     lines += ["", *target_lines(summary)]
     return "\n".join(lines)
+
+
+def hot_lines(summary: dict[str, Any]) -> list[str]:
+    """What the hot-row arms consumed, and the deadlocks their consumers counted per round."""
+    hot = summary.get("config", {}).get("hot_rows")
+    if not hot:
+        return []
+    lines = [
+        f"{', '.join(arms.HOT_ARMS)}: their own topic, {hot['messages']:,} payments "
+        f"({hot['distinct_keys']:,} distinct) on {hot['accounts']} accounts, the README's "
+        "per-message handler"
+    ]
+    for name in arms.HOT_ARMS:
+        entry = summary["arms"].get(name)
+        if entry and "deadlocks" in entry:
+            counted = ", ".join("-" if d is None else str(d) for d in entry["deadlocks"])
+            lines.append(f"{name}: deadlocks per round {counted}")
+    return lines
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -137,6 +160,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"Measured {cfg['finished']} with `{cfg['command']}`: {cfg['messages']:,} records of "
         f"~{cfg['record_bytes']} bytes ({cfg['distinct_keys']:,} distinct keys), "
         f"{cfg['partitions']} partitions, {cfg['rounds']} rounds.",
+        *(["", "; ".join(hot_lines(summary)) + "."] if hot_lines(summary) else []),
         "",
         f"Machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, {mach['memory_gib']} GiB, "
         f"{mach['os']}, Python {mach['python']}; load average at start "
