@@ -207,10 +207,11 @@ class PartitionWorker:
     ) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
         delay = 0.1
-        alone = False
+        alone = shared = False
         while True:
             try:
                 async with self._lanes.lane(alone=alone) as lane:
+                    shared = lane.shared
                     try:
                         await self._apply_isolating(lane, msgs, dead)
                     except errors.StaleTokenError as exc:
@@ -234,14 +235,20 @@ class PartitionWorker:
                 if not db.is_retriable(exc):
                     raise
                 self._stats["retries"] += 1
-                if isinstance(exc, asyncpg.DeadlockDetectedError):
+                if lanes.contended(exc, shared):
                     # Run it again with no other lane's transaction open: it
                     # cannot deadlock then, so a hot-row batch costs one retry.
-                    self._stats["deadlocks"] += 1
-                    telemetry.deadlocks.add(1, {"messaging.destination.name": self.tp.topic})
+                    deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
+                    self._stats["deadlocks" if deadlock else "lock_waits"] += 1
+                    metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
+                    metric.add(1, {"messaging.destination.name": self.tp.topic})
                     self._lanes.deadlocked()
                     alone = True
-                    log.info("batch of %s deadlocked with another lane; retrying it alone", self.tp)
+                    log.info(
+                        "batch of %s %s; retrying it alone",
+                        self.tp,
+                        "deadlocked with another lane" if deadlock else "waited too long on a lock",
+                    )
                     continue
                 telemetry.transition("retried", {"error": store.describe(exc)})
                 log.warning("batch of %s failed (%r); retrying in %.1fs", self.tp, exc, delay)
