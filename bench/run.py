@@ -354,9 +354,10 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             entry[figure] = None if found is None else found.median
             if figure == "msgs_per_s" and found is not None:
                 entry["msgs_per_s_summary"] = found.as_dict()
-        if any("stats" in r for r in runs):
-            # Batches that deadlocked with another lane and ran again, round by round.
-            entry["deadlocks"] = [r.get("stats", {}).get("deadlocks") for r in runs]
+        for stat in report.LANE_STATS:
+            # Batches that ran into another lane's locks and ran again alone, round by round.
+            if any(stat in r.get("stats", {}) for r in runs):
+                entry[stat] = [r.get("stats", {}).get(stat) for r in runs]
         summary_arms[name] = entry
     n_rounds = max((len(runs) for runs in results.values()), default=0)
     per_round: list[dict[str, float | None]] = []
