@@ -45,10 +45,17 @@ ARMS = (
     "dedup_per_message",
     "dedup_batch",
     "dedup_batch_traced",
+    "hot_rows",
+    "hot_rows_serial",
 )
 """The arms, in the order they run within a round."""
 
-DEDUP_ARMS = ("dedup_per_message", "dedup_batch", "dedup_batch_traced")
+HOT_ARMS = ("hot_rows", "hot_rows_serial")
+"""The README's per-message handler on few accounts (their own topic): dedup's defaults,
+and the same with ``concurrency=1``."""
+DEDUP_ARMS = ("dedup_per_message", "dedup_batch", "dedup_batch_traced", *HOT_ARMS)
+HOT_MESSAGES = 50_000
+"""Payments in the hot-row topic by default (fewer when ``--messages`` is smaller)."""
 SWEEP_PREFIX = "dedup_batch@"
 """``dedup_batch@N``: dedup_batch with ``batch_size=N``, for the batch-size plot."""
 
@@ -195,7 +202,12 @@ class Clock:
             total = self.statements.setdefault(name, [0, 0.0])
             total[0] += 1
             total[1] += record.elapsed
-        if record.exception is not None or not record.query.lstrip().upper().startswith("COMMIT"):
+        verb = record.query.lstrip()[:8].upper()
+        if verb.startswith("ROLLBACK"):
+            # A batch that rolled back (a deadlock) is applied again, maybe on another lane.
+            self.pending.get(key, []).clear()
+            return
+        if record.exception is not None or not verb.startswith("COMMIT"):
             return
         now = time.perf_counter()
         self.last_commit = now
@@ -457,36 +469,9 @@ async def run_dedup(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
     import dedup
 
     await dedup.migrate(cfg.dsn)
-    per_message = cfg.arm == "dedup_per_message"
-
-    async def handle_batch(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
-        decoded = [m.json() for m in msgs]
-        await tx.conn.execute(
-            workload.EFFECT_MANY,
-            [d["id"] for d in decoded],
-            [d["account"] for d in decoded],
-            [d["amount"] for d in decoded],
-        )
-        await tx.conn.execute(
-            workload.ACCOUNT_MANY, [d["account"] for d in decoded], [d["amount"] for d in decoded]
-        )
-        clock.applied(tx.conn, [(m.partition, m.offset) for m in msgs])
-
-    async def handle_one(msg: dedup.Message, tx: dedup.Tx) -> None:
-        doc = msg.json()
-        await tx.conn.execute(workload.EFFECT_ONE, doc["id"], doc["account"], doc["amount"])
-        await tx.conn.execute(workload.ACCOUNT_ONE, doc["account"], doc["amount"])
-        clock.applied(tx.conn, [(msg.partition, msg.offset)])
-
-    options: dict[str, Any] = {}
-    if per_message:
-        options["batch_size"] = 1
-    else:
-        options["batch"] = True
-        if cfg.batch_size is not None:
-            options["batch_size"] = cfg.batch_size
+    handler, options = _dedup_handler(cfg, clock)
     consumer = dedup.IdempotentConsumer(
-        handle_one if per_message else handle_batch,
+        handler,
         topics=[cfg.topic],
         group_id=cfg.group_id,
         bootstrap_servers=cfg.bootstrap_servers,
@@ -524,6 +509,47 @@ async def run_dedup(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
     return result
 
 
+def _dedup_handler(cfg: Config, clock: Clock) -> tuple[Any, dict[str, Any]]:
+    """The arm's handler and the IdempotentConsumer options that go with it."""
+    import dedup
+
+    async def handle_batch(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        decoded = [m.json() for m in msgs]
+        await tx.conn.execute(
+            workload.EFFECT_MANY,
+            [d["id"] for d in decoded],
+            [d["account"] for d in decoded],
+            [d["amount"] for d in decoded],
+        )
+        await tx.conn.execute(
+            workload.ACCOUNT_MANY, [d["account"] for d in decoded], [d["amount"] for d in decoded]
+        )
+        clock.applied(tx.conn, [(m.partition, m.offset) for m in msgs])
+
+    async def handle_one(msg: dedup.Message, tx: dedup.Tx) -> None:
+        doc = msg.json()
+        await tx.conn.execute(workload.EFFECT_ONE, doc["id"], doc["account"], doc["amount"])
+        await tx.conn.execute(workload.ACCOUNT_ONE, doc["account"], doc["amount"])
+        clock.applied(tx.conn, [(msg.partition, msg.offset)])
+
+    async def apply_payment(msg: dedup.Message, tx: dedup.Tx) -> None:
+        # The README's handler, with the payment row that shows a payment applied twice.
+        p = msg.json()
+        await tx.conn.execute(workload.HOT_BALANCE, p["account"], p["amount"])
+        await tx.conn.execute(workload.HOT_PAYMENT, p["id"], p["account"], p["amount"])
+        clock.applied(tx.conn, [(msg.partition, msg.offset)])
+
+    if cfg.arm in HOT_ARMS:
+        # Everything at dedup's defaults but, in the serial arm, one lane.
+        return apply_payment, {"concurrency": 1} if cfg.arm == "hot_rows_serial" else {}
+    if cfg.arm == "dedup_per_message":
+        return handle_one, {"batch_size": 1}
+    options: dict[str, Any] = {"batch": True}
+    if cfg.batch_size is not None:
+        options["batch_size"] = cfg.batch_size
+    return handle_batch, options
+
+
 async def _dedup_done(conn: asyncpg.Connection, cfg: Config) -> bool:
     rows = await conn.fetch(
         'SELECT "partition", next_offset FROM dedup.partitions WHERE group_id = $1 AND topic = $2',
@@ -547,6 +573,11 @@ async def prepare(cfg: Config) -> None:
         return
     conn = await _connect(cfg)
     try:
+        if cfg.arm in HOT_ARMS:
+            await conn.execute(workload.HOT_DDL)
+            names = [workload.account_name(i) for i in range(workload.HOT_ACCOUNTS)]
+            await conn.execute(workload.HOT_OPEN_ACCOUNTS, names)
+            return
         await conn.execute(workload.BUSINESS_DDL)
         if cfg.arm in ("naive", "handwritten"):
             await conn.execute(CLAIMS_DDL)
@@ -560,6 +591,8 @@ async def verify(cfg: Config, expected: workload.Workload) -> tuple[bool, str]:
         return True, "no database"
     conn = await _connect(cfg)
     try:
+        if cfg.arm in HOT_ARMS:
+            return await workload.check_hot(conn, expected)
         return await workload.check(conn, expected)
     finally:
         await conn.close()

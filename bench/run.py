@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,34 @@ def run_arm(
         asyncio.run(workload.drop_database(admin_dsn, database))
 
 
+@dataclass(frozen=True)
+class Feed:
+    """A filled topic and what a correct consumer of it leaves behind."""
+
+    topic: str
+    """The topic's name."""
+    end_offsets: dict[str, int]
+    """Partition (as a string) -> end offset once filled."""
+    expected: workload.Workload
+    """The check's expectations."""
+
+
+def fill(
+    kafka: str,
+    partitions: int,
+    records: list[tuple[bytes, bytes]],
+    expected: workload.Workload,
+    made: list[str],
+) -> Feed:
+    """A new topic holding ``records``; its name goes into ``made`` at once, for the cleanup."""
+    topic = asyncio.run(workload.create_topic(kafka, partitions))
+    made.append(topic)
+    started = time.monotonic()
+    end_offsets = asyncio.run(workload.produce(kafka, topic, partitions, records))
+    print(f"filled {topic} in {time.monotonic() - started:.1f}s")
+    return Feed(topic, end_offsets, expected)
+
+
 def arm_list(requested: list[str], batch_sizes: list[int]) -> list[tuple[str, int | None]]:
     """``(name, batch_size)`` for each arm of a round, the batch-size sweep last."""
     have_dedup = dedup_available()
@@ -181,13 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of all arms")
     parser.add_argument(
         "--arms",
-        default=",".join(arms.ARMS),
-        help=f"comma-separated, from {', '.join(arms.ARMS)}",
+        help=f"comma-separated, from {', '.join(arms.ARMS)} (default: all)",
     )
     parser.add_argument(
         "--batch-sizes",
-        default=",".join(map(str, DEFAULT_BATCH_SIZES)),
-        help="dedup_batch batch sizes for the plot ('' for none)",
+        help="dedup_batch batch sizes for the plot ('' for none; default "
+        f"{','.join(map(str, DEFAULT_BATCH_SIZES))} when --arms is not given, else none)",
+    )
+    parser.add_argument(
+        "--hot-messages",
+        type=int,
+        help="payments in the hot-row arms' topic (default: --messages, at most "
+        f"{arms.HOT_MESSAGES:,})",
     )
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--duplicates", type=float, default=0.10, help="share of duplicate keys")
@@ -207,38 +241,55 @@ def main(argv: list[str] | None = None) -> int:
         help="also report the time each arm spends in each SQL statement",
     )
     args = parser.parse_args(argv)
-    requested = [a.strip() for a in args.arms.split(",") if a.strip()]
+    named_arms = args.arms is not None
+    requested = [a.strip() for a in (args.arms or ",".join(arms.ARMS)).split(",") if a.strip()]
     unknown = set(requested) - set(arms.ARMS)
     if unknown:
         parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
+    if args.batch_sizes is None:
+        # Arms named on the command line are a run of those arms alone.
+        args.batch_sizes = "" if named_arms else ",".join(map(str, DEFAULT_BATCH_SIZES))
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+    hot_messages = args.hot_messages or min(args.messages, arms.HOT_MESSAGES)
     kafka, admin_dsn = services()
     plan = arm_list(requested, sizes)
 
     run_id = uuid.uuid4().hex[:8]
     records, expected = workload.generate(args.messages, args.duplicates)
-    topic = asyncio.run(workload.create_topic(kafka, args.partitions))
-    print(
-        f"run {run_id}: topic {topic}, {args.messages:,} records "
-        f"({expected.distinct:,} distinct keys), {args.partitions} partitions"
+    hot_records, hot_expected = workload.generate(
+        hot_messages, args.duplicates, accounts=workload.HOT_ACCOUNTS
     )
+    has_hot = any(name in arms.HOT_ARMS for name, _ in plan)
+    has_main = any(name not in arms.HOT_ARMS for name, _ in plan)
+    print(f"run {run_id}: {args.partitions} partitions")
+    if has_main:
+        print(f"  {args.messages:,} records ({expected.distinct:,} distinct keys)")
+    if has_hot:
+        print(
+            f"  hot rows: {hot_messages:,} payments ({hot_expected.distinct:,} distinct) "
+            f"on {workload.HOT_ACCOUNTS} accounts"
+        )
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in plan}
+    topics: list[str] = []
     try:
-        started = time.monotonic()
-        end_offsets = asyncio.run(workload.produce(kafka, topic, args.partitions, records))
-        print(f"filled in {time.monotonic() - started:.1f}s")
-        del records
+        feeds: dict[bool, Feed] = {}  # is it the hot-row topic -> the topic
+        if has_main:
+            feeds[False] = fill(kafka, args.partitions, records, expected, topics)
+        if has_hot:
+            feeds[True] = fill(kafka, args.partitions, hot_records, hot_expected, topics)
+        del records, hot_records
         for rnd in range(1, args.rounds + 1):
             for name, size in plan:
+                feed = feeds[name in arms.HOT_ARMS]
                 tag = name.replace("@", "_bs")
                 cfg = arms.Config(
                     arm=name,
                     bootstrap_servers=kafka,
-                    topic=topic,
+                    topic=feed.topic,
                     group_id=f"bench-{run_id}-{tag}-r{rnd}",
                     dsn=workload.with_database(admin_dsn, f"bench_{run_id}_{tag}_r{rnd}"),
-                    workload=expected.as_dict(),
-                    end_offsets=end_offsets,
+                    workload=feed.expected.as_dict(),
+                    end_offsets=feed.end_offsets,
                     batch_size=size,
                     query_times=args.query_times,
                 )
@@ -248,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name].append(result)
                 print(report.progress_line(rnd, args.rounds, result), flush=True)
     finally:
-        asyncio.run(workload.delete_topic(kafka, topic))
+        for topic in topics:
+            asyncio.run(workload.delete_topic(kafka, topic))
 
     summary = summarize(results)
     summary["config"] = {
@@ -259,6 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "record_bytes": 200,
         "handwritten_batch": arms.HANDWRITTEN_BATCH,
+        **(
+            {
+                "hot_rows": {
+                    "messages": hot_messages,
+                    "distinct_keys": hot_expected.distinct,
+                    "accounts": workload.HOT_ACCOUNTS,
+                }
+            }
+            if has_hot
+            else {}
+        ),
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
@@ -291,6 +354,10 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             entry[figure] = None if found is None else found.median
             if figure == "msgs_per_s" and found is not None:
                 entry["msgs_per_s_summary"] = found.as_dict()
+        for stat in report.LANE_STATS:
+            # Batches that ran into another lane's locks and ran again alone, round by round.
+            if any(stat in r.get("stats", {}) for r in runs):
+                entry[stat] = [r.get("stats", {}).get(stat) for r in runs]
         summary_arms[name] = entry
     n_rounds = max((len(runs) for runs in results.values()), default=0)
     per_round: list[dict[str, float | None]] = []
@@ -300,7 +367,8 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             if i < len(runs) and not summary_arms[name]["void"]:
                 figures[name] = runs[i].get("msgs_per_s")
         per_round.append(figures)
-    ratios = stats.ratios_table(per_round, list(results))
+    # The hot-row arms read another topic: only their own target compares them.
+    ratios = stats.ratios_table(per_round, [a for a in results if a not in arms.HOT_ARMS])
     return {
         "arms": summary_arms,
         "ratios": ratios,

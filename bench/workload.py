@@ -4,6 +4,11 @@ One topic is filled once per run; each arm then reads all of it with a fresh
 consumer group into a fresh database, so every arm sees the same bytes in the
 same order.  The business effect is the same everywhere: one row in
 ``effects`` per distinct key and a per-account running sum in ``accounts``.
+
+The hot-row arms read a topic of their own: payments on only
+:data:`HOT_ACCOUNTS` accounts, applied by the README's per-message handler
+(update the account's balance, insert the payment row), so concurrent
+transactions lock the same rows in no particular order.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 ACCOUNTS = 1000
 """Distinct accounts the aggregate is kept for."""
+HOT_ACCOUNTS = 100
+"""Accounts of the hot-row topic: every batch of 500 payments touches nearly all of them."""
 
 # The business tables of every arm.  `effects` has no unique constraint on
 # purpose: a duplicate that got through must show up in the check, not be
@@ -64,6 +71,29 @@ ON CONFLICT (account) DO UPDATE
 SET total = accounts.total + excluded.total, n = accounts.n + excluded.n
 """
 
+# The hot-row arms (hot_rows, hot_rows_serial): the README's handler, one
+# payment at a time, accounts updated in whatever order payments arrive.
+# `payments` has no unique constraint either, for the same reason as `effects`.
+HOT_DDL = """
+CREATE TABLE accounts (
+    id      text   PRIMARY KEY,
+    balance bigint NOT NULL DEFAULT 0
+);
+CREATE TABLE payments (
+    id      text   NOT NULL,
+    account text   NOT NULL,
+    amount  bigint NOT NULL
+);
+"""
+HOT_OPEN_ACCOUNTS = "INSERT INTO accounts (id) SELECT unnest($1::text[])"
+HOT_BALANCE = "UPDATE accounts SET balance = balance + $2 WHERE id = $1"
+HOT_PAYMENT = "INSERT INTO payments (id, account, amount) VALUES ($1, $2, $3)"
+
+
+def account_name(i: int) -> str:
+    """The ``account`` field of the records: ``acct-0042``."""
+    return f"acct-{i:04d}"
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -87,9 +117,15 @@ class Workload:
 
 
 def generate(
-    messages: int, duplicate_ratio: float = 0.1, seed: int = 7, size: int = 200
+    messages: int,
+    duplicate_ratio: float = 0.1,
+    seed: int = 7,
+    size: int = 200,
+    accounts: int = ACCOUNTS,
 ) -> tuple[list[tuple[bytes, bytes]], Workload]:
     """``(key, value)`` records of about ``size`` bytes of JSON, and the expected result.
+
+    Each payment goes to one of ``accounts`` accounts, drawn at random.
 
     A duplicate repeats an earlier record byte for byte (a redelivery) at a
     random later position, with the same Kafka key so it lands in the same
@@ -102,7 +138,7 @@ def generate(
     uniques: list[tuple[bytes, bytes]] = []
     for i in range(n_unique):
         key = f"pay-{seed:02d}-{i:010d}"
-        account = f"acct-{rng.randrange(ACCOUNTS):04d}"
+        account = account_name(rng.randrange(accounts))
         amount = rng.randrange(1, 10_000)
         totals[account] = totals.get(account, 0) + amount
         body = {
@@ -220,3 +256,21 @@ async def check(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str
     if problems:
         return False, "; ".join(problems)
     return True, f"{rows} effects, {len(totals)} account totals as expected"
+
+
+async def check_hot(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str]:
+    """One payment row per distinct payment and every balance as expected (so their sum too)."""
+    rows, keys = await conn.fetchrow("SELECT count(*), count(DISTINCT id) FROM payments")
+    balances = {r["id"]: r["balance"] for r in await conn.fetch("SELECT * FROM accounts")}
+    problems = []
+    if rows != expected.distinct or keys != expected.distinct:
+        problems.append(f"payments: {rows} rows, {keys} distinct ids, expected {expected.distinct}")
+    wrong = [a for a in balances if balances[a] != expected.totals.get(a, 0)]
+    if wrong or set(expected.totals) - set(balances):
+        problems.append(f"{len(wrong)} balances differ (e.g. {sorted(wrong)[:3]})")
+    total, want = sum(balances.values()), sum(expected.totals.values())
+    if total != want:
+        problems.append(f"balances sum to {total}, expected {want}")
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"{rows} payments, {len(balances)} balances summing to {total} as expected"

@@ -8,6 +8,15 @@ batch that lost runs again *alone*, with no other lane's transaction open, and
 the lanes then stay one at a time for a cool-down that doubles while deadlocks
 keep coming.  A hot-row workload so costs at most one retry per deadlocked
 batch, and never storms.
+
+Postgres looks for a deadlock only after a lock wait of ``deadlock_timeout``
+(1 s by default, settable by superusers only), once per waiting transaction:
+four lanes tangled on hot rows untangle one second at a time.  So a
+transaction on a shared lane waits at most :data:`LOCK_WAIT` for a row lock
+(``lock_timeout``, set for that transaction only by the batch's first
+statement); past it the batch is handled as if it had deadlocked (see
+:func:`contended`).  A lane lent alone, or while the lanes run one at a time,
+waits as long as the session's own ``lock_timeout`` says.
 """
 
 from __future__ import annotations
@@ -26,6 +35,19 @@ log = logging.getLogger(__name__)
 SERIAL_COOLDOWN = 30.0
 """Seconds the lanes run one at a time after a deadlock (doubling, up to MAX_SERIAL_COOLDOWN)."""
 MAX_SERIAL_COOLDOWN = 600.0
+LOCK_WAIT = 0.2
+"""Seconds a transaction on a shared lane waits for a row lock before its batch runs again alone."""
+
+
+def contended(exc: BaseException, shared: bool) -> bool:
+    """True when ``exc`` says a batch ran into another transaction's row locks.
+
+    A deadlock, or, on a lane lent shared, a lock wait past :data:`LOCK_WAIT`.
+    Such a batch runs again alone, and :meth:`Lanes.deadlocked` is told.
+    """
+    if isinstance(exc, asyncpg.DeadlockDetectedError):
+        return True
+    return shared and isinstance(exc, asyncpg.LockNotAvailableError)
 
 
 class Lane:
@@ -34,6 +56,8 @@ class Lane:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._conn: asyncpg.Connection | None = None
+        self.shared = False
+        """Lent while other lanes may run: the batch's lock waits are cut at LOCK_WAIT."""
 
     async def connection(self) -> asyncpg.Connection:
         """The lane's connection, (re)acquired from the pool when it has none or lost it.
@@ -95,6 +119,7 @@ class Lanes:
                 await self._changed.wait_for(self._may_share)
             self._busy += 1
             lane = self._free.pop()
+            lane.shared = self.size > 1 and not alone and not self.serial
         try:
             yield lane
         finally:
@@ -114,12 +139,18 @@ class Lanes:
     def deadlocked(self) -> None:
         """Two lanes deadlocked: run one at a time for a while (longer each time it recurs)."""
         now = time.monotonic()
+        if now < self._serial_until:
+            # A transaction opened before the lanes went one at a time: the same
+            # tangle as the deadlock that started the cool-down, not a new one.
+            return
         if now < self._serial_until + self._cooldown:
             self._cooldown = min(self._cooldown * 2, MAX_SERIAL_COOLDOWN)
         else:
             self._cooldown = SERIAL_COOLDOWN
         self._serial_until = now + self._cooldown
-        log.info("lanes deadlocked; one transaction at a time for %.0fs", self._cooldown)
+        log.info(
+            "lanes ran into each other's locks; one transaction at a time for %.0fs", self._cooldown
+        )
 
     async def close(self) -> None:
         """Give every lane's connection back."""

@@ -50,9 +50,10 @@ UPDATE {schema}.partitions
 -- $1 group, $2 topic, $3 partition, $4 new next_offset, $5 token (NULL: no fence,
 -- for wrap()), $6 expected next_offset, $7 namespace, $8 keys, $9 offsets,
 -- $10 payload hashes, $11 the transaction's idle_in_transaction_session_timeout
--- (NULL: the session's).  The setting rides on this statement, the batch's
--- first, instead of a SET LOCAL of its own: no round trip more per batch, and
--- nothing per session, so it holds through a pooler in transaction mode.
+-- and $12 its lock_timeout, in ms (NULL: the session's).  The settings ride on
+-- this statement, the batch's first, instead of a SET LOCAL of their own: no
+-- round trip more per batch, and nothing per session, so they hold through a
+-- pooler in transaction mode.
 WITH fence AS (
     UPDATE {schema}.partitions
        SET next_offset = $4, updated_at = now()
@@ -75,6 +76,8 @@ WITH fence AS (
 SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
   FROM (SELECT set_config('idle_in_transaction_session_timeout',
                           coalesce($11::text, current_setting('idle_in_transaction_session_timeout')),
+                          true),
+               set_config('lock_timeout', coalesce($12::text, current_setting('lock_timeout')),
                           true)) AS settings
   LEFT JOIN claim ON true
 

@@ -200,14 +200,15 @@ class Store:
         group_id: str | None = None,
         handler_timeout: float | None = None,
         idle_timeout: float | None = None,
+        lock_timeout: float | None = None,
     ) -> BatchResult:
         """Apply one batch inside the caller's open transaction (see the module docstring).
 
         ``msgs`` have their idempotency keys set; ``dead`` are messages of the same
         partition to dead-letter instead of applying.  All of them are consecutive
-        records of one partition.  ``idle_timeout`` (seconds) is the transaction's
-        ``idle_in_transaction_session_timeout`` from its first statement on
-        (None: the session's own).
+        records of one partition.  ``idle_timeout`` and ``lock_timeout`` (seconds)
+        are the transaction's ``idle_in_transaction_session_timeout`` and
+        ``lock_timeout`` from its first statement on (None: the session's own).
         """
         result = BatchResult(dead_letters=list(dead))
         first, copies = _first_copies(msgs)
@@ -231,7 +232,8 @@ class Store:
             keys,
             [first[k][0].offset for k in keys],
             [first[k][1] for k in keys],
-            None if idle_timeout is None else str(round(idle_timeout * 1000)),
+            _milliseconds(idle_timeout),
+            _milliseconds(lock_timeout),
         )
         if fence is not None and rows[0]["fenced"] == 0:
             raise errors.StaleTokenError(
@@ -502,6 +504,11 @@ def failed_offset(exc: BaseException) -> int | None:
     """The offset of the message whose (per-message) handler raised ``exc``, if known."""
     offset = getattr(exc, "_dedup_offset", None)
     return offset if isinstance(offset, int) else None
+
+
+def _milliseconds(seconds: float | None) -> str | None:
+    """A setting's value in ms, as text (None stays None: the session's own value)."""
+    return None if seconds is None else str(round(seconds * 1000))
 
 
 def describe(value: Any) -> str:

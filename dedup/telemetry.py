@@ -62,6 +62,11 @@ deadlocks = meter.create_counter(
     unit="{batch}",
     description="batches that deadlocked with another lane and ran again alone",
 )
+lock_waits = meter.create_counter(
+    "dedup.lock_waits",
+    unit="{batch}",
+    description="batches that waited past the lanes' lock wait for a row lock and ran again alone",
+)
 lease_losses = meter.create_counter(
     "dedup.lease.losses", unit="{lease}", description="leases lost by their holder"
 )

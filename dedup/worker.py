@@ -212,7 +212,7 @@ class PartitionWorker:
     ) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
         delay = 0.1
-        alone = False
+        alone = shared = False
         while True:
             if self.expected is not None:
                 # Tried again after part of the batch committed (a split that went
@@ -223,6 +223,7 @@ class PartitionWorker:
                     return True
             try:
                 async with self._lanes.lane(alone=alone) as lane:
+                    shared = lane.shared
                     try:
                         await self._apply_isolating(lane, msgs, dead)
                     except errors.StaleTokenError as exc:
@@ -239,14 +240,20 @@ class PartitionWorker:
                 if not db.is_retriable(exc):
                     raise
                 self._stats["retries"] += 1
-                if isinstance(exc, asyncpg.DeadlockDetectedError):
+                if lanes.contended(exc, shared):
                     # Run it again with no other lane's transaction open: it
                     # cannot deadlock then, so a hot-row batch costs one retry.
-                    self._stats["deadlocks"] += 1
-                    telemetry.deadlocks.add(1, {"messaging.destination.name": self.tp.topic})
+                    deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
+                    self._stats["deadlocks" if deadlock else "lock_waits"] += 1
+                    metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
+                    metric.add(1, {"messaging.destination.name": self.tp.topic})
                     self._lanes.deadlocked()
                     alone = True
-                    log.info("batch of %s deadlocked with another lane; retrying it alone", self.tp)
+                    log.info(
+                        "batch of %s %s; retrying it alone",
+                        self.tp,
+                        "deadlocked with another lane" if deadlock else "waited too long on a lock",
+                    )
                     continue
                 telemetry.transition("retried", {"error": store.describe(exc)})
                 log.warning("batch of %s failed (%r); retrying in %.1fs", self.tp, exc, delay)
@@ -437,6 +444,7 @@ class PartitionWorker:
                         dead=dead,
                         handler_timeout=self._s.handler_timeout,
                         idle_timeout=self._s.idle_timeout,
+                        lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
                     )
         self.expected = result.next_offset
         self._count(result, batch, time.perf_counter() - started)

@@ -1,0 +1,67 @@
+"""The lanes' policy: when batches share, when they run alone, how long a cool-down lasts."""
+
+from __future__ import annotations
+
+import types
+
+import asyncpg
+import pytest
+
+from dedup import lanes
+
+
+def test_a_deadlock_or_a_lock_wait_on_a_shared_lane_means_contention() -> None:
+    deadlock = asyncpg.DeadlockDetectedError("deadlock detected")
+    waited = asyncpg.LockNotAvailableError("canceling statement due to lock timeout")
+    assert lanes.contended(deadlock, shared=True)
+    assert lanes.contended(deadlock, shared=False)
+    assert lanes.contended(waited, shared=True)
+    # Alone, the lock_timeout was the session's own (a handler's choice): a plain retry.
+    assert not lanes.contended(waited, shared=False)
+    assert not lanes.contended(asyncpg.SerializationError("could not serialize"), shared=True)
+
+
+async def test_a_lane_is_shared_unless_lent_alone_or_while_the_lanes_are_serial() -> None:
+    pool = types.SimpleNamespace()  # lending never touches the pool; connection() does
+    ls = lanes.Lanes(pool, 4, {})
+    async with ls.lane() as lane:
+        assert lane.shared
+    async with ls.lane(alone=True) as lane:
+        assert not lane.shared
+    ls.deadlocked()
+    assert ls.serial
+    async with ls.lane() as lane:
+        assert not lane.shared
+    async with lanes.Lanes(pool, 1, {}).lane() as lane:  # concurrency=1: nothing to share
+        assert not lane.shared
+
+
+def test_the_cool_down_doubles_only_for_a_new_tangle(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(lanes, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    ls = lanes.Lanes(types.SimpleNamespace(), 4, {})
+    cool = lanes.SERIAL_COOLDOWN
+
+    def serial_for() -> float:
+        """Seconds from now until the lanes share again."""
+        start = now[0]
+        while ls.serial:
+            now[0] += 1
+        took, now[0] = now[0] - start, start
+        return took
+
+    # Three lanes lose in the same tangle (transactions opened before the first
+    # deadlock went serial): one cool-down, not three doublings.
+    ls.deadlocked()
+    now[0] += 1
+    ls.deadlocked()
+    ls.deadlocked()
+    assert serial_for() == pytest.approx(cool - 1, abs=1)
+    # Sharing again soon after, a new tangle: twice as long.
+    now[0] += cool
+    ls.deadlocked()
+    assert serial_for() == pytest.approx(2 * cool, abs=1)
+    # Long after the last cool-down ended: back to the first length.
+    now[0] += 10 * lanes.MAX_SERIAL_COOLDOWN
+    ls.deadlocked()
+    assert serial_for() == pytest.approx(cool, abs=1)
