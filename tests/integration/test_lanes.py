@@ -1,5 +1,5 @@
-"""Lanes on a real Postgres: a shared lane stops waiting for another lane's row lock well
-before Postgres's deadlock check would run; a lane that runs alone waits."""
+"""The lock wait of a batch on a shared lane, on a real Postgres: it gives up well before
+Postgres's deadlock check would run, and it is set for that transaction only."""
 
 from __future__ import annotations
 
@@ -9,36 +9,54 @@ from typing import Any
 import asyncpg
 import pytest
 
-from dedup import lanes
+import dedup
+from dedup import lanes, store
 
 
-async def test_a_shared_lane_gives_up_a_lock_wait_before_the_deadlock_check(pool: Any) -> None:
+def one_message() -> dedup.Message:
+    return dedup.Message(
+        topic="t",
+        partition=0,
+        offset=0,
+        key=None,
+        value=b"{}",
+        headers={},
+        timestamp=0,
+        idempotency_key="k",
+    )
+
+
+async def bump(msg: dedup.Message, tx: dedup.Tx) -> None:
+    await tx.conn.execute("UPDATE hot SET n = n + 1 WHERE id = 1")
+
+
+async def test_a_batch_on_a_shared_lane_gives_up_a_lock_wait_before_the_deadlock_check(
+    pool: Any,
+) -> None:
     await pool.execute("CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL)")
     await pool.execute("INSERT INTO hot VALUES (1, 0)")
-    ls = lanes.Lanes(pool, 2, {})
-    try:
-        async with ls.lane() as first, ls.lane() as second:
-            holder = await first.connection()
-            waiter = await second.connection()
-            held = holder.transaction()
-            await held.start()
-            await holder.execute("UPDATE hot SET n = n + 1 WHERE id = 1")
-            started = time.monotonic()
-            with pytest.raises(asyncpg.LockNotAvailableError) as caught:
-                async with waiter.transaction():
-                    await waiter.execute("UPDATE hot SET n = n + 1 WHERE id = 1")
-            waited = time.monotonic() - started
-            await held.rollback()
+    writes = store.Store(schema_name="dedup", namespace="lanes")
+    async with pool.acquire() as holder, pool.acquire() as waiter:
+        held = holder.transaction()
+        await held.start()
+        await holder.execute("UPDATE hot SET n = n + 1 WHERE id = 1")
+        started = time.monotonic()
+        with pytest.raises(asyncpg.LockNotAvailableError) as caught:
+            async with waiter.transaction():
+                await writes.apply(
+                    waiter,
+                    [one_message()],
+                    handler=bump,
+                    batch_handler=False,
+                    fence=None,
+                    lock_timeout=lanes.LOCK_WAIT,
+                )
+        waited = time.monotonic() - started
+        await held.rollback()
         # Postgres's deadlock_timeout is 1 s: four tangled lanes would take seconds.
         assert lanes.LOCK_WAIT <= waited < 1.0
-        assert lanes.contended(caught.value, second.shared)
-        ls.deadlocked()  # what the worker does next: the lanes run one at a time
-        async with ls.lane() as alone:
-            conn = await alone.connection()
-            assert not alone.shared
-            assert await conn.fetchval("SHOW lock_timeout") == await pool.fetchval(
-                "SHOW lock_timeout"
-            )
-    finally:
-        await ls.close()
+        assert lanes.contended(caught.value, shared=True)
+        # The setting was the transaction's: the session keeps its own.
+        assert await waiter.fetchval("SHOW lock_timeout") == "0"
     assert await pool.fetchval("SELECT n FROM hot") == 0
+    assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == 0

@@ -23,7 +23,7 @@ def test_a_deadlock_or_a_lock_wait_on_a_shared_lane_means_contention() -> None:
 
 async def test_a_lane_is_shared_unless_lent_alone_or_while_the_lanes_are_serial() -> None:
     pool = types.SimpleNamespace()  # lending never touches the pool; connection() does
-    ls = lanes.Lanes(pool, 4, {})
+    ls = lanes.Lanes(pool, 4)
     async with ls.lane() as lane:
         assert lane.shared
     async with ls.lane(alone=True) as lane:
@@ -32,14 +32,14 @@ async def test_a_lane_is_shared_unless_lent_alone_or_while_the_lanes_are_serial(
     assert ls.serial
     async with ls.lane() as lane:
         assert not lane.shared
-    async with lanes.Lanes(pool, 1, {}).lane() as lane:  # concurrency=1: nothing to share
+    async with lanes.Lanes(pool, 1).lane() as lane:  # concurrency=1: nothing to share
         assert not lane.shared
 
 
 def test_the_cool_down_doubles_only_for_a_new_tangle(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(lanes, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    ls = lanes.Lanes(types.SimpleNamespace(), 4, {})
+    ls = lanes.Lanes(types.SimpleNamespace(), 4)
     cool = lanes.SERIAL_COOLDOWN
 
     def serial_for() -> float:
