@@ -34,7 +34,7 @@ async def in_transaction(conn: Any, what: str) -> asyncpg.Connection:
         raise errors.ConfigurationError(
             f"{what}: conn is a {type(conn).__module__}.{type(conn).__qualname__}; expected "
             "an asyncpg connection, or an SQLAlchemy AsyncConnection or AsyncSession "
-            "(pip install 'dedup[sqlalchemy]')"
+            "(pip install 'dedup-kafka[sqlalchemy]')"
         )
     return sqlalchemy
 

@@ -1,0 +1,220 @@
+"""The two wheels, installed as a user installs them: not editable, in a venv of their own.
+
+The library (dedup-kafka) and the bundled services (dedup-kafka-services, from
+``consumers/``) are built from this checkout without a network (hatchling is a
+dev dependency), then installed by file into fresh virtual environments, their
+dependencies from the package index (pip's cache makes that quick). Every
+command here runs outside the checkout, so nothing is imported from it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import venv
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+@dataclass(frozen=True)
+class Wheels:
+    library: Path
+    services: Path
+
+
+@dataclass(frozen=True)
+class Venv:
+    """A fresh virtual environment and a directory outside the checkout to run in."""
+
+    path: Path
+    cwd: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.path / "bin"
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``argv`` with this venv's bin first on PATH and no DEDUP_* variables of ours."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "PYTHON"))}
+        env["PATH"] = f"{self.bin}{os.pathsep}{env['PATH']}"
+        env["VIRTUAL_ENV"] = str(self.path)
+        done = subprocess.run(
+            argv, cwd=self.cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert not check or done.returncode == 0, f"{argv}:\n{done.stdout}{done.stderr}"
+        return done
+
+
+def _pip(*args: str, python: Path | str = sys.executable) -> None:
+    done = subprocess.run(
+        [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"pip {' '.join(args)}:\n{done.stdout}{done.stderr}"
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Wheels:
+    out = tmp_path_factory.mktemp("wheels")
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT))
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT / "consumers"))
+    (library,) = out.glob(f"dedup_kafka-{VERSION}-*.whl")
+    (services,) = out.glob(f"dedup_kafka_services-{VERSION}-*.whl")
+    return Wheels(library, services)
+
+
+def _fresh_venv(root: Path, *wheels: Path) -> Venv:
+    venv.create(root / "venv", with_pip=True)
+    python = root / "venv" / "bin" / "python"
+    # By file: a release on the index under the same name could not stand in for them.
+    _pip("install", *map(str, wheels), python=python)
+    (root / "work").mkdir()
+    return Venv(root / "venv", root / "work")
+
+
+@pytest.fixture(scope="module")
+def library_venv(wheels: Wheels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
+    """The library wheel alone, as `pip install dedup-kafka` leaves it."""
+    yield _fresh_venv(tmp_path_factory.mktemp("library"), wheels.library)
+
+
+def _names(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as whl:
+        return whl.namelist()
+
+
+def test_library_wheel_holds_the_typed_dedup_package_only(wheels: Wheels) -> None:
+    names = _names(wheels.library)
+    dist_info = f"dedup_kafka-{VERSION}.dist-info/"
+    assert {n.split("/")[0] + "/" for n in names} == {"dedup/", dist_info}
+    assert "dedup/py.typed" in names
+    assert "dedup/sql/0001_core.sql" in names
+    assert f"{dist_info}licenses/LICENSE" in names
+    with zipfile.ZipFile(wheels.library) as whl:
+        entry_points = whl.read(f"{dist_info}entry_points.txt").decode()
+        metadata = whl.read(f"{dist_info}METADATA").decode()
+    assert entry_points.split() == ["[console_scripts]", "dedup", "=", "dedup.cli:main"]
+    assert "Name: dedup-kafka\n" in metadata
+    assert "Classifier: Typing :: Typed" in metadata
+    assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_services_wheel_holds_the_consumers_package_and_the_reconcile_checks(
+    wheels: Wheels,
+) -> None:
+    names = _names(wheels.services)
+    dist_info = f"dedup_kafka_services-{VERSION}.dist-info/"
+    assert {n.split("/")[0] + "/" for n in names} == {"consumers/", dist_info}
+    assert "consumers/payments.py" in names
+    assert "consumers/sql/payments/0001_payments.sql" in names
+    assert "consumers/pyproject.toml" not in names
+    with zipfile.ZipFile(wheels.services) as whl:
+        entry_points = whl.read(f"{dist_info}entry_points.txt").decode()
+        metadata = whl.read(f"{dist_info}METADATA").decode()
+    assert "[dedup.reconcile]" in entry_points
+    assert f"Requires-Dist: dedup-kafka[otel]=={VERSION}" in metadata
+
+
+def test_installed_library_has_its_version_and_nothing_of_the_services(
+    library_venv: Venv,
+) -> None:
+    assert library_venv.run("dedup", "--version").stdout == f"dedup (dedup-kafka) {VERSION}\n"
+    imported = library_venv.run(
+        "python", "-c", "import dedup; print(dedup.__version__, dedup.__file__)"
+    )
+    version, location = imported.stdout.split()
+    assert version == VERSION
+    assert Path(location).is_relative_to(library_venv.path), "imported from the venv"
+    assert library_venv.run("dedup", "reconcile", "--list").stdout == ""
+    no_services = library_venv.run("python", "-c", "import consumers", check=False)
+    assert "No module named 'consumers'" in no_services.stderr
+
+
+USER_CODE = """\
+from __future__ import annotations
+
+import dedup
+
+
+async def apply(msg: dedup.Message, tx: dedup.Tx) -> None:
+    payment = msg.json()
+    await tx.conn.execute("SELECT $1::text", payment["payment_id"])
+
+
+def consumer(dsn: str) -> dedup.IdempotentConsumer:
+    return dedup.IdempotentConsumer(
+        apply,
+        topics=["payments"],
+        group_id="payments",
+        bootstrap_servers="127.0.0.1:9092",
+        dsn=dsn,
+        key=dedup.keys.json_field("payment_id"),
+    )
+
+
+def where(msg: dedup.Message) -> tuple[str, int, int]:
+    return msg.topic, msg.partition, msg.offset
+
+
+version: str = dedup.__version__
+"""
+
+USER_MISTAKE = """\
+import dedup
+
+
+def offset_of(msg: dedup.Message) -> str:
+    return msg.offset
+"""
+
+
+def test_mypy_sees_the_installed_packages_types(library_venv: Venv) -> None:
+    """py.typed: a user's strict mypy checks their code against dedup's annotations."""
+    (library_venv.cwd / "app.py").write_text(USER_CODE)
+    (library_venv.cwd / "mistake.py").write_text(USER_MISTAKE)
+    mypy = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--strict",
+        "--python-executable",
+        str(library_venv.bin / "python"),
+        "--cache-dir",
+        str(library_venv.cwd / ".mypy_cache"),
+    ]
+    clean = library_venv.run(*mypy, "app.py", check=False)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "Success: no issues found in 1 source file" in clean.stdout
+    wrong = library_venv.run(*mypy, "mistake.py", check=False)
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert 'Incompatible return value type (got "int", expected "str")' in wrong.stdout
+
+
+def test_installed_services_bring_the_services_and_their_reconcile_checks(
+    wheels: Wheels, tmp_path: Path
+) -> None:
+    both = _fresh_venv(tmp_path, wheels.library, wheels.services)
+    listed = both.run("dedup", "reconcile", "--list").stdout
+    assert [line.split("\t")[0] for line in listed.splitlines()] == [
+        "coupons",
+        "notifications",
+        "payments",
+        "statements",
+    ]
+    shown = both.run("dedup", "run", "consumers.payments", "--help")
+    assert "--migrate-only" in shown.stdout
+    located = both.run("python", "-c", "import consumers; print(consumers.__file__)")
+    assert Path(located.stdout.strip()).is_relative_to(both.path)
