@@ -9,20 +9,24 @@ command here runs outside the checkout, so nothing is imported from it.
 
 from __future__ import annotations
 
+import asyncio
+import importlib.metadata
 import os
 import subprocess
 import sys
 import tomllib
 import venv
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, Services
+from tests.integration import docs_support
 
+INSTALL_PAGE = ROOT / "docs" / "install.md"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -34,25 +38,46 @@ class Wheels:
 
 @dataclass(frozen=True)
 class Venv:
-    """A fresh virtual environment and a directory outside the checkout to run in."""
+    """A fresh virtual environment and a project directory outside the checkout to run in."""
 
     path: Path
     cwd: Path
+    pip_env: dict[str, str]
+    """PIP_* variables under which `pip install dedup-kafka` installs the wheels built here."""
 
     @property
     def bin(self) -> Path:
         return self.path / "bin"
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """``argv`` with this venv's bin first on PATH and no DEDUP_* variables of ours."""
+    def env(self) -> dict[str, str]:
+        """The environment of a shell with this venv activated, and none of our DEDUP_*."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "PYTHON"))}
         env["PATH"] = f"{self.bin}{os.pathsep}{env['PATH']}"
         env["VIRTUAL_ENV"] = str(self.path)
+        return env | self.pip_env
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``argv``, as typed in that shell."""
         done = subprocess.run(
-            argv, cwd=self.cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+            argv, cwd=self.cwd, env=self.env(), capture_output=True, text=True, timeout=300
         )
         assert not check or done.returncode == 0, f"{argv}:\n{done.stdout}{done.stderr}"
         return done
+
+    def sh(self, script: str, **env: str) -> str:
+        """What a docs page's shell block prints, run as written; it must succeed."""
+        done = subprocess.run(
+            ["/bin/sh", "-ec", script],
+            cwd=self.cwd,
+            env=self.env() | env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, f"{script}\n{done.stdout}"
+        return done.stdout
 
 
 def _pip(*args: str, python: Path | str = sys.executable) -> None:
@@ -76,19 +101,37 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Wheels:
     return Wheels(library, services)
 
 
-def _fresh_venv(root: Path, *wheels: Path) -> Venv:
+def _fresh_venv(root: Path, wheels: Wheels) -> Venv:
+    """An empty venv; `pip install dedup-kafka` in it takes the wheels built here.
+
+    pip finds them through PIP_FIND_LINKS and, the dependencies aside, takes
+    nothing else: the constraints pin both names to this version, so no
+    release on the index could stand in for them.
+    """
     venv.create(root / "venv", with_pip=True)
-    python = root / "venv" / "bin" / "python"
-    # By file: a release on the index under the same name could not stand in for them.
-    _pip("install", *map(str, wheels), python=python)
-    (root / "work").mkdir()
-    return Venv(root / "venv", root / "work")
+    constraints = root / "constraints.txt"
+    constraints.write_text(f"dedup-kafka=={VERSION}\ndedup-kafka-services=={VERSION}\n")
+    pip_env = {
+        "PIP_FIND_LINKS": str(wheels.library.parent),
+        "PIP_CONSTRAINT": str(constraints),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    (root / "project").mkdir()
+    return Venv(root / "venv", root / "project", pip_env)
 
 
 @pytest.fixture(scope="module")
-def library_venv(wheels: Wheels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
-    """The library wheel alone, as `pip install dedup-kafka` leaves it."""
-    yield _fresh_venv(tmp_path_factory.mktemp("library"), wheels.library)
+def library_venv(wheels: Wheels, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """The library installed as docs/install.md says: `pip install dedup-kafka`."""
+    fresh = _fresh_venv(tmp_path_factory.mktemp("library"), wheels)
+    install, *_ = _install_page_blocks()
+    assert install == ("sh", "pip install dedup-kafka\n")
+    fresh.sh(install[1])
+    return fresh
+
+
+def _install_page_blocks() -> list[tuple[str, str]]:
+    return docs_support.snippets(INSTALL_PAGE)
 
 
 def _names(wheel: Path) -> list[str]:
@@ -203,10 +246,50 @@ def test_mypy_sees_the_installed_packages_types(library_venv: Venv) -> None:
     assert 'Incompatible return value type (got "int", expected "str")' in wrong.stdout
 
 
-def test_installed_services_bring_the_services_and_their_reconcile_checks(
+def test_install_page_commands_run_as_written(library_venv: Venv) -> None:
+    blocks = _install_page_blocks()
+    assert [lang for lang, _ in blocks] == ["sh", "console", "sh", "sh"]
+    (_, versions), (_, extras) = blocks[1], blocks[2]
+    for command, expected in docs_support.console(versions):
+        out = library_venv.sh(command)
+        assert docs_support.expected_pattern(expected + "\n").fullmatch(out), (command, out)
+    library_venv.sh(extras)
+    library_venv.run("python", "-c", "import sqlalchemy, opentelemetry.sdk")
+
+
+def test_install_page_names_the_versions_this_run_tested(services: Services) -> None:
+    page = INSTALL_PAGE.read_text(encoding="utf-8")
+    tested = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in docs_support.section(page, "## Supported versions").splitlines()
+        if line.startswith("| ") and not line.startswith(("| what", "| ---"))
+    }
+    assert tested["Python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    pom = (ROOT / "compose" / "local" / "kafka-pom.xml").read_text()
+    assert f"<kafka.version>{tested['Apache Kafka']}</kafka.version>" in pom
+    server = asyncio.run(_server_version(services.dsn))
+    assert server.split(".")[0] == tested["PostgreSQL"], (
+        f"the tests ran on PostgreSQL {server}: add it to docs/install.md if it passes"
+    )
+    for dist in ("aiokafka", "asyncpg"):
+        assert importlib.metadata.version(dist) == tested[dist]
+
+
+async def _server_version(dsn: str) -> str:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return str(await conn.fetchval("SHOW server_version"))
+    finally:
+        await conn.close()
+
+
+def test_services_install_from_a_checkout_with_their_reconcile_checks(
     wheels: Wheels, tmp_path: Path
 ) -> None:
-    both = _fresh_venv(tmp_path, wheels.library, wheels.services)
+    both = _fresh_venv(tmp_path, wheels)
+    _, from_checkout = _install_page_blocks()[3]
+    assert "$DEDUP_CHECKOUT" in from_checkout
+    both.sh(from_checkout, DEDUP_CHECKOUT=str(ROOT))
     listed = both.run("dedup", "reconcile", "--list").stdout
     assert [line.split("\t")[0] for line in listed.splitlines()] == [
         "coupons",
@@ -217,4 +300,4 @@ def test_installed_services_bring_the_services_and_their_reconcile_checks(
     shown = both.run("dedup", "run", "consumers.payments", "--help")
     assert "--migrate-only" in shown.stdout
     located = both.run("python", "-c", "import consumers; print(consumers.__file__)")
-    assert Path(located.stdout.strip()).is_relative_to(both.path)
+    assert Path(located.stdout.strip()).is_relative_to(both.path), "installed, not the checkout"
