@@ -98,3 +98,9 @@ def run(command: str, env: dict[str, str]) -> str:
         check=False,
     )
     return done.stdout
+
+
+def columns(text: str) -> str:
+    """Lines with their runs of blanks made one space (a table's widths follow its names)."""
+    lines = [" ".join(line.split()) for line in text.strip("\n").splitlines()]
+    return "".join(line + "\n" for line in lines)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import os
+import signal
 import subprocess
 import sys
 import tomllib
+import uuid
 import venv
 import zipfile
 from dataclasses import dataclass
@@ -22,11 +24,14 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
+from tests import helpers
 from tests.conftest import ROOT, Services
 from tests.integration import docs_support
 
 INSTALL_PAGE = ROOT / "docs" / "install.md"
+QUICKSTART_BLOCKS = docs_support.snippets(ROOT / "docs" / "quickstart.md")
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -36,9 +41,21 @@ class Wheels:
     services: Path
 
 
+def _no_venv_shell() -> dict[str, str]:
+    """A user's shell: no venv active (not this one either), none of our DEDUP_* or PG*."""
+    ours = str(Path(sys.executable).parent)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DEDUP_", "PYTHON", "PG", "VIRTUAL_ENV", "KAFKA_"))
+    }
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != ours)
+    return env
+
+
 @dataclass(frozen=True)
 class Venv:
-    """A fresh virtual environment and a project directory outside the checkout to run in."""
+    """A virtual environment and a project directory outside the checkout to run in."""
 
     path: Path
     cwd: Path
@@ -50,8 +67,8 @@ class Venv:
         return self.path / "bin"
 
     def env(self) -> dict[str, str]:
-        """The environment of a shell with this venv activated, and none of our DEDUP_*."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "PYTHON"))}
+        """The environment of a shell with this venv activated (as `. .venv/bin/activate`)."""
+        env = _no_venv_shell()
         env["PATH"] = f"{self.bin}{os.pathsep}{env['PATH']}"
         env["VIRTUAL_ENV"] = str(self.path)
         return env | self.pip_env
@@ -64,12 +81,12 @@ class Venv:
         assert not check or done.returncode == 0, f"{argv}:\n{done.stdout}{done.stderr}"
         return done
 
-    def sh(self, script: str, **env: str) -> str:
-        """What a docs page's shell block prints, run as written; it must succeed."""
+    def sh(self, script: str, env: dict[str, str] | None = None, **more: str) -> str:
+        """What a docs page's shell lines print (stdout and stderr), run as written."""
         done = subprocess.run(
             ["/bin/sh", "-ec", script],
             cwd=self.cwd,
-            env=self.env() | env,
+            env=(env or self.env()) | more,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -101,33 +118,41 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Wheels:
     return Wheels(library, services)
 
 
-def _fresh_venv(root: Path, wheels: Wheels) -> Venv:
-    """An empty venv; `pip install dedup-kafka` in it takes the wheels built here.
+def _pip_env(root: Path, wheels: Wheels) -> dict[str, str]:
+    """Under these, `pip install dedup-kafka` takes the wheels built here.
 
     pip finds them through PIP_FIND_LINKS and, the dependencies aside, takes
     nothing else: the constraints pin both names to this version, so no
     release on the index could stand in for them.
     """
-    venv.create(root / "venv", with_pip=True)
     constraints = root / "constraints.txt"
     constraints.write_text(f"dedup-kafka=={VERSION}\ndedup-kafka-services=={VERSION}\n")
-    pip_env = {
+    return {
         "PIP_FIND_LINKS": str(wheels.library.parent),
         "PIP_CONSTRAINT": str(constraints),
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
+
+
+def _fresh_venv(root: Path, wheels: Wheels) -> Venv:
+    """An empty venv, and a project folder."""
+    venv.create(root / "venv", with_pip=True)
     (root / "project").mkdir()
-    return Venv(root / "venv", root / "project", pip_env)
+    return Venv(root / "venv", root / "project", _pip_env(root, wheels))
 
 
 @pytest.fixture(scope="module")
 def library_venv(wheels: Wheels, tmp_path_factory: pytest.TempPathFactory) -> Venv:
-    """The library installed as docs/install.md says: `pip install dedup-kafka`."""
-    fresh = _fresh_venv(tmp_path_factory.mktemp("library"), wheels)
-    install, *_ = _install_page_blocks()
-    assert install == ("sh", "pip install dedup-kafka\n")
-    fresh.sh(install[1])
-    return fresh
+    """The venv a newcomer makes with the quickstart's first block: `pip install dedup-kafka`."""
+    root = tmp_path_factory.mktemp("newcomer")
+    project = root / "project"
+    project.mkdir()
+    lang, install = QUICKSTART_BLOCKS[0]
+    assert lang == "sh" and "pip install dedup-kafka\n" in install
+    made = Venv(project / ".venv", project, _pip_env(root, wheels))
+    made.sh(install, _no_venv_shell() | made.pip_env)
+    assert (made.bin / "dedup").exists()
+    return made
 
 
 def _install_page_blocks() -> list[tuple[str, str]]:
@@ -301,3 +326,146 @@ def test_services_install_from_a_checkout_with_their_reconcile_checks(
     assert "--migrate-only" in shown.stdout
     located = both.run("python", "-c", "import consumers; print(consumers.__file__)")
     assert Path(located.stdout.strip()).is_relative_to(both.path), "installed, not the checkout"
+
+
+async def test_newcomer_follows_the_quickstart_to_a_balance_moved_once(
+    library_venv: Venv, services: Services
+) -> None:
+    """The quickstart's files and commands, verbatim and in order, from an empty database."""
+    langs = [lang for lang, _ in QUICKSTART_BLOCKS]
+    assert langs == [
+        *("sh", "sh", "console", "console", "python", "console", "python", "sh", "text"),
+        *("python", "console", "text", "console", "console", "text", "python", "python"),
+    ]
+    (
+        _,
+        variables,
+        migrate,
+        business_table,
+        create_topic,
+        topic_created,
+        app,
+        run_app,
+        app_started,
+        send,
+        sent,
+        app_counted,
+        balance,
+        audit,
+        app_stopped,
+        *_fragments,  # tests/integration/test_docs_quickstart.py runs those
+    ) = (body for _, body in QUICKSTART_BLOCKS)
+    database = f"newcomer_{uuid.uuid4().hex[:8]}"
+    topic = f"quickstart-payments-{uuid.uuid4().hex[:8]}"
+    await _admin(services, f'CREATE DATABASE "{database}"')
+    shell = library_venv.env() | {
+        "KAFKA_BOOTSTRAP_SERVERS": services.bootstrap_servers,
+        "DEDUP_DSN": _with_database(services.dsn, database),
+        "PAYMENTS_TOPIC": topic,
+    }
+    app_process = None
+    try:
+        # The variables block keeps values that are set (here: the test's own).
+        echoed = library_venv.sh(
+            variables + 'echo "$KAFKA_BOOTSTRAP_SERVERS $DEDUP_DSN $PAYMENTS_TOPIC"', shell
+        )
+        assert echoed.split() == [shell[k] for k in ("KAFKA_BOOTSTRAP_SERVERS", "DEDUP_DSN")] + [
+            topic
+        ]
+
+        def console(block: str) -> None:
+            for command, expected in docs_support.console(block):
+                out = library_venv.sh(command, shell)
+                # The page shows the default topic name; this run has a topic of its own,
+                # so a table's columns are as wide as its name makes them.
+                pattern = docs_support.expected_pattern(
+                    docs_support.columns(expected.replace("quickstart-payments", topic))
+                )
+                assert pattern.fullmatch(docs_support.columns(out)), (
+                    f"$ {command}\n{out}\nwanted:\n{expected}"
+                )
+
+        console(migrate)
+        console(business_table)
+        _write_file(library_venv.cwd, create_topic)
+        console(topic_created)
+        _write_file(library_venv.cwd, app)
+        assert run_app == "python payments_app.py\n"
+        app_process = await asyncio.create_subprocess_exec(
+            "/bin/sh",
+            "-c",
+            f"exec {run_app}",
+            cwd=library_venv.cwd,
+            env=shell,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output = AppOutput(app_process)
+        await output.shows(app_started, topic)
+        _write_file(library_venv.cwd, send)
+        console(sent)
+        await output.shows(app_counted, topic)
+        console(balance)
+        console(audit)
+        app_process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert await asyncio.wait_for(app_process.wait(), 30) == 0, output.text
+        await output.shows(app_stopped, topic)
+    finally:
+        if app_process is not None and app_process.returncode is None:
+            app_process.kill()
+            await app_process.wait()
+        await _admin(services, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await _delete_topic(services, topic)
+
+
+class AppOutput:
+    """What the running app has printed so far (its log lines go to stderr)."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.text = ""
+        self._reader = asyncio.create_task(self._read(process))
+
+    async def _read(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        async for line in process.stdout:
+            self.text += line.decode()
+
+    async def shows(self, expected: str, topic: str) -> None:
+        """Wait until the page's output block appears in what the app printed."""
+        pattern = docs_support.expected_pattern(expected.replace("quickstart-payments", topic))
+
+        async def found() -> bool:
+            return pattern.search(self.text) is not None
+
+        await helpers.wait_for(found, within=30, what=f"the app to print:\n{expected}")
+
+
+def _write_file(folder: Path, text: str) -> None:
+    """A file of the page, under the name its first line gives (``# name.py: ...``)."""
+    first = text.splitlines()[0]
+    assert first.startswith("# ") and ".py" in first, first
+    name = first[2:].split(":")[0].strip()
+    (folder / name).write_text(text)
+
+
+def _with_database(dsn: str, database: str) -> str:
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{database}"
+
+
+async def _admin(services: Services, sql: str) -> None:
+    conn = await asyncpg.connect(services.dsn)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def _delete_topic(services: Services, topic: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.bootstrap_servers)
+    await admin.start()
+    try:
+        if topic in await admin.list_topics():
+            await admin.delete_topics([topic])
+    finally:
+        await admin.close()
