@@ -85,7 +85,7 @@ def shell_env(dsn: str, bootstrap_servers: str) -> dict[str, str]:
     return env
 
 
-def run(command: str, env: dict[str, str]) -> str:
+def run(command: str, env: dict[str, str], cwd: Path = ROOT) -> str:
     """What ``command`` prints, stdout and stderr interleaved as on a terminal."""
     done = subprocess.run(
         ["/bin/sh", "-c", command],
@@ -93,7 +93,7 @@ def run(command: str, env: dict[str, str]) -> str:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
         timeout=120,
         check=False,
     )
