@@ -52,12 +52,15 @@ async def test_demo_touches_nothing_it_did_not_create_and_its_summary_adds_up(
     services: Services, tmp_path: Path
 ) -> None:
     others = await OthersData.create(services)
+    run_id = None
     try:
         run = await asyncio.to_thread(
             demo, services, "--payments", "300", "--coupons", "100", "--notifications", "40",
             "--logs", str(tmp_path),
         )  # fmt: skip
         out = run.stdout
+        named = re.search(r"^This run \((\w+)\):", out, re.MULTILINE)
+        run_id = named[1] if named else None
         assert run.returncode == 0, out + run.stderr
         assert "RESULT: zero lost, zero doubled" in out
         assert "statements generated                    1" in out
@@ -93,7 +96,7 @@ async def test_demo_touches_nothing_it_did_not_create_and_its_summary_adds_up(
         for command in look:
             ran = await asyncio.to_thread(sh, command, services)
             assert ran.returncode == 0, f"{command}:\n{ran.stdout}{ran.stderr}"
-        run_id = drop.split()[-1]
+        assert drop.split()[-1] == run_id
         database, topics = f"dedup_demo_{run_id}", _topics(run_id)
         assert await _databases(services, database) == [database]
         assert set(topics) <= await _topic_names(services)
@@ -102,8 +105,11 @@ async def test_demo_touches_nothing_it_did_not_create_and_its_summary_adds_up(
         assert dropped.returncode == 0, dropped.stdout + dropped.stderr
         assert await _databases(services, database) == []
         await _wait_gone(services, topics)
+        run_id = None
         assert await others.untouched()
     finally:
+        if run_id is not None:  # the test failed before the demo's own --drop
+            await asyncio.to_thread(demo, services, "--drop", run_id)
         await others.remove()
 
 
