@@ -1,7 +1,8 @@
 # The two commands a newcomer needs are `make demo` and `make test`.
-# Both build .venv (editable install with the dev extras) and bring up the local
-# Kafka and Postgres when none is configured (compose/local/up).  The tests that
-# run through pgbouncer start it themselves (compose/local/up pgbouncer).
+# Both build .venv (the library and the bundled services, both editable, with the
+# library's dev extras) and bring up the local Kafka and Postgres when none is
+# configured (compose/local/up).  The tests that run through pgbouncer start it
+# themselves (compose/local/up pgbouncer).
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,9 +11,13 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: venv services down lint unit test demo bench bench-soak chaos
 
-$(STAMP): pyproject.toml
+# The library (dedup-kafka) and the bundled services (dedup-kafka-services, from
+# consumers/) are two distributions.  Until 0.2 the library was called `dedup`:
+# a venv made then still holds it (and its reconcile entry points), so it goes.
+$(STAMP): pyproject.toml consumers/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip uninstall -q -y --disable-pip-version-check dedup 2>/dev/null || true
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' -e ./consumers
 	touch $@
 
 venv: $(STAMP)
@@ -48,7 +53,7 @@ chaos: venv
 # Shrink a run with e.g. BENCH_ARGS="--messages 20000 --rounds 2".
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]' -e ./consumers
 	touch $@
 
 bench: venv services $(BENCH_STAMP)

@@ -86,11 +86,15 @@ async def server_versions(kafka: str, dsn: str) -> dict[str, str]:
     finally:
         await conn.close()
     found = {"postgres": pg}
-    for dist in ("dedup", "aiokafka", "asyncpg", "orjson", "opentelemetry-sdk"):
+    # Reported by import name: the library is installed as dedup-kafka.
+    dists = {"dedup": "dedup-kafka"} | {
+        d: d for d in ("aiokafka", "asyncpg", "orjson", "opentelemetry-sdk")
+    }
+    for name, dist in dists.items():
         try:
-            found[dist] = importlib.metadata.version(dist)
+            found[name] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
+            found[name] = "not installed"
     found["git"] = git_state()
     kafka_libs = Path.home() / ".cache" / "dedup"
     brokers = sorted(p.name for p in kafka_libs.glob("kafka-*")) if kafka_libs.exists() else []

@@ -1,10 +1,12 @@
 """``make demo``: every bundled service under duplicates, a replay, a poison message and a crash.
 
     python -m consumers.demo [--payments N] [--coupons N] [--notifications N] [--database NAME]
+    python -m consumers.demo --drop RUN
 
 On the Kafka and Postgres of ``KAFKA_BOOTSTRAP_SERVERS`` and ``DEDUP_DSN``
-(else ``.services/env``), in a fresh database (``dedup_demo`` by default) and
-fresh topics:
+(else ``.services/env``, written by ``compose/local/up``), in a database and
+topics of its own, named after the run (``dedup_demo_<run>``,
+``dedup-demo-<run>-payments``, ...):
 
 1. produces payments, coupon requests and notifications with duplicates, a
    replay of the first part of the payments topic, one poison message
@@ -17,7 +19,12 @@ fresh topics:
    doubled counted from the business tables, not from the consumers' word)
    and the commands to look deeper.
 
-The services started by ``compose/local/up`` keep running afterwards.
+It never touches what it did not create: a database or topic of the chosen
+name that already exists stops it before anything is written, and nothing is
+deleted by pattern.  Its database and topics stay for a look afterwards;
+``--drop RUN`` removes them, and only them (the database carries a comment
+naming the run and its topics).  Kafka and Postgres keep running, whoever
+started them.
 """
 
 from __future__ import annotations
@@ -35,15 +42,24 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import orjson
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError, UnknownTopicOrPartitionError
 
 DATE = "2026-11-30"
-ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("payments", "coupons", "notifications")
+MARK = "made by dedup's demo, run "
+"""How the demo's own databases are marked (COMMENT ON DATABASE): ``--drop`` drops no other."""
+EXIT_REFUSED = 2
+
+
+def services_dir() -> Path:
+    """compose/local's directory of addresses, pids and logs (run from the checkout's root)."""
+    return Path(os.environ.get("DEDUP_SERVICES_DIR") or Path.cwd() / ".services")
 
 
 def say(text: str) -> None:
@@ -62,7 +78,9 @@ class Plan:
 
 
 def make_plan(args: argparse.Namespace, rng: random.Random) -> Plan:
-    plan = Plan(accounts={f"acc-{i:02d}": rng.randint(20, 80) * 100 for i in range(40)})
+    # About half the payments find too little money left (a rejection, not an error).
+    accounts = max(4, args.payments // 75)
+    plan = Plan(accounts={f"acc-{i:02d}": rng.randint(20, 80) * 100 for i in range(accounts)})
     accounts = list(plan.accounts)
     plan.payments = [
         {
@@ -124,7 +142,6 @@ class Processes:
             "-m",
             "dedup.cli",
             *args,
-            cwd=ROOT,
             env=self.env,
             stdout=log,
             stderr=log,
@@ -153,7 +170,6 @@ async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
         "-m",
         "dedup.cli",
         *args,
-        cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -179,30 +195,125 @@ async def wait_until(probe: Callable[[], Awaitable[bool]], what: str, within: fl
 # ------------------------------------------------------------------- demo --
 
 
-async def fresh_database(dsn: str, name: str) -> str:
-    conn = await asyncpg.connect(dsn)
+class Refused(Exception):
+    """Something of the name the demo would create exists already: it is not the demo's."""
+
+
+@dataclass
+class Made:
+    """What this run created, and so may remove: its database and its topics."""
+
+    run_id: str
+    admin_dsn: str
+    database: str
+    topics: dict[str, str] = field(default_factory=dict)
+    """The topic of each service, by service name."""
+    created: list[str] = field(default_factory=list)
+    """The topics created so far."""
+    database_created: bool = False
+
+    @property
+    def dsn(self) -> str:
+        return with_database(self.admin_dsn, self.database)
+
+    def mark(self) -> str:
+        return f"{MARK}{self.run_id}; topics: {', '.join(self.topics.values())}"
+
+
+def with_database(dsn: str, database: str) -> str:
+    url = urlsplit(dsn)
+    return url._replace(path="/" + database).geturl()
+
+
+def quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+async def create_database(made: Made) -> None:
+    """CREATE DATABASE, never over one that exists: that one is someone's."""
+    conn = await asyncpg.connect(made.admin_dsn)
     try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{name}"')
+        try:
+            await conn.execute(f"CREATE DATABASE {quoted(made.database)}")
+        except asyncpg.DuplicateDatabaseError:
+            raise Refused(
+                f"database {made.database} already exists and this run did not create it: "
+                "the demo leaves it alone. Pass another --database, or none for a fresh "
+                "dedup_demo_<run>."
+            ) from None
+        made.database_created = True
+        await conn.execute(f"COMMENT ON DATABASE {quoted(made.database)} IS {literal(made.mark())}")
     finally:
         await conn.close()
-    return dsn.rsplit("/", 1)[0] + "/" + name
 
 
-async def create_topics(bootstrap: str, run_id: str) -> dict[str, str]:
-    topics = {name: f"demo-{name}-{run_id}" for name in SERVICES}
+async def create_topics(bootstrap: str, made: Made) -> None:
+    """This run's topics, one by one; one that exists already is someone's: stop."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        old = [t for t in await admin.list_topics() if t.startswith("demo-")]
-        if old:
-            await admin.delete_topics(old)
-        await admin.create_topics(
-            [NewTopic(t, 4 if name == "payments" else 2, 1) for name, t in topics.items()]
-        )
+        for name, topic in made.topics.items():
+            try:
+                await admin.create_topics([NewTopic(topic, 4 if name == "payments" else 2, 1)])
+            except TopicAlreadyExistsError:
+                raise Refused(
+                    f"topic {topic} already exists and this run did not create it: "
+                    "the demo leaves it alone"
+                ) from None
+            made.created.append(topic)
     finally:
         await admin.close()
-    return topics
+
+
+async def drop(made: Made, bootstrap: str) -> list[str]:
+    """Remove this run's topics and database; what was removed, as lines to print."""
+    removed = []
+    if made.created:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            for topic in made.created:
+                try:
+                    await admin.delete_topics([topic])
+                except UnknownTopicOrPartitionError:
+                    continue  # never created, or gone already
+                removed.append(f"topic {topic}")
+        finally:
+            await admin.close()
+    if made.database_created:
+        conn = await asyncpg.connect(made.admin_dsn)
+        try:
+            await conn.execute(f"DROP DATABASE IF EXISTS {quoted(made.database)} WITH (FORCE)")
+        finally:
+            await conn.close()
+        removed.append(f"database {made.database}")
+    return removed
+
+
+async def made_by_run(admin_dsn: str, run_id: str) -> Made:
+    """What run ``run_id`` made, read from its database's comment; Refused if none says so."""
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT datname, shobj_description(oid, 'pg_database') AS mark FROM pg_database"
+            " WHERE starts_with(shobj_description(oid, 'pg_database'), $1)",
+            f"{MARK}{run_id};",
+        )
+    finally:
+        await conn.close()
+    if len(rows) != 1:
+        raise Refused(
+            f"no database is marked as made by the demo's run {run_id!r}: nothing is dropped"
+        )
+    made = Made(run_id, admin_dsn, rows[0]["datname"])
+    made.database_created = True
+    _, _, listed = rows[0]["mark"].partition("; topics: ")
+    made.created = [t for t in listed.split(", ") if t]
+    return made
 
 
 async def produce(bootstrap: str, topics: dict[str, str], plan: Plan, rng: random.Random) -> None:
@@ -246,21 +357,140 @@ async def produce(bootstrap: str, topics: dict[str, str], plan: Plan, rng: rando
     }
 
 
-def environment() -> dict[str, str]:
-    """This process's variables, with the local services' addresses where none is set."""
+def environment() -> tuple[dict[str, str], set[str]]:
+    """This process's variables, with the local services' addresses where none is set.
+
+    Also which of the two addresses came from ``.services/env`` rather than
+    from this process's environment.
+    """
     env = dict(os.environ)
-    env_file = ROOT / ".services" / "env"
+    from_file = set()
+    env_file = services_dir() / "env"
     if env_file.exists():
         for line in env_file.read_text().splitlines():
             name, _, value = line.partition("=")
             if value and not env.get(name):
                 env[name] = value
+                from_file.add(name)
     if not env.get("DEDUP_DSN") or not env.get("KAFKA_BOOTSTRAP_SERVERS"):
         raise SystemExit("demo: set DEDUP_DSN and KAFKA_BOOTSTRAP_SERVERS, or run compose/local/up")
-    return env
+    return env, from_file
 
 
-async def main(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _local_service(name: str) -> tuple[int, str] | None:
+    """The pid and address of the service compose/local/up started, if it runs."""
+    folder = services_dir() / name
+    try:
+        pid = int((folder / "pid").read_text())
+        port = (folder / "port").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, under another user (Postgres runs as postgres)
+    return pid, f"127.0.0.1:{port}"
+
+
+def origins(env: dict[str, str], from_file: set[str]) -> list[str]:
+    """Who started Kafka and Postgres, one line each: the demo started neither."""
+    lines = []
+    for label, name, variable, address in (
+        ("Kafka", "kafka", "KAFKA_BOOTSTRAP_SERVERS", env["KAFKA_BOOTSTRAP_SERVERS"].split(",")[0]),
+        ("Postgres", "postgres", "DEDUP_DSN", _host_port(env["DEDUP_DSN"])),
+    ):
+        local = _local_service(name)
+        if local is not None and local[1] == address:
+            lines.append(
+                f"{label} at {address}: started by compose/local/up (pid {local[0]}); "
+                "it keeps running, compose/local/down stops it."
+            )
+        else:
+            source = (
+                f"{variable} in {services_dir() / 'env'}" if variable in from_file else variable
+            )
+            lines.append(f"{label} at {address}: yours ({source}); the demo leaves it running.")
+    return lines
+
+
+def _host_port(dsn: str) -> str:
+    url = urlsplit(dsn)
+    return f"{url.hostname or '127.0.0.1'}:{url.port or 5432}"
+
+
+def log_folder(path: str | Path) -> Path:
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def relative(path: Path) -> str:
+    """``path`` as typed from the current directory (absolute when outside it)."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def command(program: str) -> str:
+    """How to type ``program`` of this venv from the current directory."""
+    return relative(Path(sys.executable).parent / program)
+
+
+async def main(args: argparse.Namespace, env: dict[str, str], from_file: set[str]) -> int:
+    if args.drop:
+        return await drop_run(args.drop, env)
+    run_id = uuid.uuid4().hex[:6]
+    made = Made(
+        run_id,
+        env["DEDUP_DSN"],
+        args.database or f"dedup_demo_{run_id}",
+        {name: f"dedup-demo-{run_id}-{name}" for name in SERVICES},
+    )
+    logs = log_folder(args.logs or services_dir() / "demo-logs" / run_id)
+    for line in origins(env, from_file):
+        say(line)
+    try:
+        await create_database(made)
+        await create_topics(env["KAFKA_BOOTSTRAP_SERVERS"], made)
+    except Refused as exc:
+        await drop(made, env["KAFKA_BOOTSTRAP_SERVERS"])
+        say(f"demo: {exc}")
+        return EXIT_REFUSED
+    except BaseException:
+        await drop(made, env["KAFKA_BOOTSTRAP_SERVERS"])
+        raise
+    say(f"This run ({run_id}): database {made.database}, topics {', '.join(made.topics.values())}")
+    ok = False
+    try:
+        ok = await demo(args, env, made, logs)
+    finally:
+        say(f"Logs of the services: {relative(logs)}/")
+        say(
+            f"Database {made.database} and the topics of run {run_id} stay for a look"
+            f"{'' if ok else ' at what went wrong'}; remove them, and only them, with:"
+        )
+        say(f"  {command('python')} -m consumers.demo --drop {run_id}")
+        for line in origins(env, from_file):
+            say(line)
+    return 0 if ok else 1
+
+
+async def drop_run(run_id: str, env: dict[str, str]) -> int:
+    try:
+        made = await made_by_run(env["DEDUP_DSN"], run_id)
+    except Refused as exc:
+        say(f"demo: {exc}")
+        return EXIT_REFUSED
+    for removed in await drop(made, env["KAFKA_BOOTSTRAP_SERVERS"]):
+        say(f"dropped {removed}")
+    return 0
+
+
+async def demo(args: argparse.Namespace, env: dict[str, str], made: Made, logs: Path) -> bool:
+    """The demo proper, in the database and topics of ``made``; True when the summary is."""
     started = time.monotonic()
     rng = random.Random(args.seed)  # noqa: S311 - the shape of a workload, not a secret
     bootstrap = env["KAFKA_BOOTSTRAP_SERVERS"]
@@ -268,10 +498,9 @@ async def main(args: argparse.Namespace, env: dict[str, str]) -> int:
     def step(text: str) -> None:
         say(f"[{time.monotonic() - started:5.1f}s] {text}")
 
-    run_id = uuid.uuid4().hex[:6]
-    dsn = await fresh_database(env["DEDUP_DSN"], args.database)
-    env.update({"DEDUP_DSN": dsn, "DEDUP_LOG_LEVEL": "WARNING", "OTEL_SDK_DISABLED": "true"})
-    step(f"fresh database {args.database}; migrating dedup and the services")
+    dsn = made.dsn
+    env = {**env, "DEDUP_DSN": dsn, "DEDUP_LOG_LEVEL": "WARNING", "OTEL_SDK_DISABLED": "true"}
+    step(f"migrating dedup and the services in {made.database}")
     migrations = await asyncio.gather(
         *(
             run_cli(env, "run", f"consumers.{name}", "--migrate-only")
@@ -287,12 +516,12 @@ async def main(args: argparse.Namespace, env: dict[str, str]) -> int:
         "INSERT INTO payments.accounts (account, balance) VALUES ($1, $2)",
         list(plan.accounts.items()),
     )
-    topics = await create_topics(bootstrap, run_id)
+    topics = made.topics
     for name, topic in topics.items():
         env[f"{name.upper()}_TOPIC"] = topic
-        env[f"{name.upper()}_GROUP"] = f"demo-{name}-{run_id}"
+        env[f"{name.upper()}_GROUP"] = f"dedup-demo-{made.run_id}-{name}"
 
-    procs = Processes(env, Path(args.logs))
+    procs = Processes(env, logs)
     port = free_port()
     try:
         step("starting the receiver, 2 instances of each consumer and 2 outbox dispatchers")
@@ -387,15 +616,14 @@ async def main(args: argparse.Namespace, env: dict[str, str]) -> int:
     say("")
     say(summary.table)
     say("")
-    say("Look deeper:")
-    say(f"  dedup audit --dsn {dsn} --key pay-1 --namespace payments")
-    say(f"  dedup events --dsn {dsn} --task statements --business-key {DATE}")
-    say(f"  dedup dead-letters list --dsn {dsn}")
-    say(f"  dedup reconcile --dsn {dsn} --task payments --date {DATE}")
-    say(f"Logs of the services: {args.logs}/")
-    say("Kafka and Postgres keep running; stop them with compose/local/down.")
+    dedup_cli = command("dedup")
+    say("Look deeper (from this directory; or `. .venv/bin/activate` first, then just `dedup`):")
+    say(f"  {dedup_cli} audit --dsn {dsn} --key pay-1 --namespace payments")
+    say(f"  {dedup_cli} events --dsn {dsn} --task statements --business-key {DATE}")
+    say(f"  {dedup_cli} dead-letters list --dsn {dsn}")
+    say(f"  {dedup_cli} reconcile --dsn {dsn} --task payments --date {DATE}")
     step("done")
-    return 0 if summary.ok else 1
+    return summary.ok
 
 
 @dataclass
@@ -468,9 +696,30 @@ async def summarize(
     statements = int(
         await q("SELECT count(*) FROM dedup.events WHERE kind = 'task_started' AND key = $1", DATE)
     )
+    # What the handled keys did: the figures `dedup reconcile` counts from.
+    took_effect = {
+        "payments": int(await q("SELECT count(*) FROM payments.payments WHERE status = 'applied'")),
+        "coupons": int(await q("SELECT count(*) FROM coupons.requests WHERE outcome = 'issued'")),
+        "notifications": delivered,
+    }
+    declined = {
+        "payments": int(
+            await q("SELECT count(*) FROM payments.payments WHERE status = 'rejected'")
+        ),
+        "coupons": int(
+            await q("SELECT count(*) FROM coupons.requests WHERE outcome = 'already_issued'")
+        ),
+        "notifications": 0,
+    }
+    reasons = await pool.fetch(
+        "SELECT split_part(reason, ':', 1) AS reason, count(*) FROM payments.payments"
+        " WHERE status = 'rejected' GROUP BY 1 ORDER BY 2 DESC, 1"
+    )
     rows = [
         ("messages sent", plan.sent),
-        ("applied (distinct keys)", applied),
+        ("keys handled once", applied),
+        ("  took effect", took_effect),
+        ("  declined by a rule", declined),
         ("duplicates suppressed", suppressed),
         ("conflicts", conflicts),
         ("dead-lettered", dead),
@@ -484,6 +733,14 @@ async def summarize(
         lines.append(
             f"{label:{width}}" + "".join(f"{values[n]:>15}" for n in SERVICES) + f"{total:>15}"
         )
+    rejected = ", ".join(f"{r['count']} {r['reason']}" for r in reasons) or "none"
+    lines += [
+        "  sent = handled once + duplicates suppressed + dead-lettered (a conflicting copy is",
+        "    dead-lettered: it counts as a conflict too)",
+        "  took effect: payments deducted, coupons issued, notifications delivered",
+        f"  declined: payments rejected ({rejected}); coupon requests for a campaign whose",
+        "    coupon the user already had (they get that one)",
+    ]
     lines.append(f"{'stale writes refused':{width}}{stale:>15}")
     lines.append(
         f"{'statements generated':{width}}{statements:>15}   (runner exit codes {runner_codes})"
@@ -493,11 +750,12 @@ async def summarize(
         f"{task} {'OK' if code == 0 else 'MISMATCH'}" for task, (code, _) in reconciled.items()
     )
     lines.append(f"{'reconciliation':{width}}{verdicts}")
-    for task, (code, out) in reconciled.items():
-        if code != 0:
-            lines.append(f"  {task}: {out.strip()}")
+    lines.append(f"  as `dedup reconcile --task TASK --date {DATE}` reports it:")
+    for _, out in reconciled.values():
+        lines += [f"  {line}" for line in out.strip().splitlines()]
     ok = (
-        not any(lost.values())
+        all(took_effect[n] + declined[n] == applied[n] for n in SERVICES)
+        and not any(lost.values())
         and not any(doubled.values())
         and statements == 1
         and recon_ok
@@ -517,13 +775,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--payments", type=int, default=3000, help="distinct payments (default 3000)")
     p.add_argument("--coupons", type=int, default=1000, help="coupon requests (default 1000)")
     p.add_argument("--notifications", type=int, default=300, help="notifications (default 300)")
-    p.add_argument("--database", default="dedup_demo", help="database to (re)create")
-    p.add_argument("--logs", default=str(ROOT / ".services" / "demo-logs"), help="service logs")
+    p.add_argument(
+        "--database",
+        help="the database to create (default: dedup_demo_<run>); one that exists is refused",
+    )
+    p.add_argument("--logs", help="service logs (default: .services/demo-logs/<run>)")
+    p.add_argument(
+        "--drop",
+        metavar="RUN",
+        help="remove the database and topics run RUN created (its first line names it), and exit",
+    )
     p.add_argument("--seed", type=int, default=2026)
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    arguments = parse()
-    Path(arguments.logs).mkdir(parents=True, exist_ok=True)
-    sys.exit(asyncio.run(main(arguments, environment())))
+    sys.exit(asyncio.run(main(parse(), *environment())))

@@ -53,7 +53,7 @@ def setup(service_name: str) -> Callable[[], None]:
     """Install the SDK's tracer and meter providers; return the function that flushes them."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return lambda: None
-    # The SDK is the application's dependency (dedup[otel]), imported only when used.
+    # The SDK is the application's dependency (dedup-kafka[otel]), imported only when used.
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricExporter

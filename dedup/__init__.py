@@ -7,6 +7,8 @@ the business write, under a fencing token that a newer owner invalidates.
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from dedup import keys
 from dedup.consumer import IdempotentConsumer, claim, wrap
 from dedup.errors import (
@@ -26,6 +28,16 @@ from dedup.reconciliation import Check as ReconcileCheck
 from dedup.reconciliation import Report as ReconcileReport
 from dedup.reconciliation import reconcile
 from dedup.tasks import TaskOutcome, TaskRun, TaskRunner
+
+# Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
+_DISTRIBUTION = "dedup-kafka"
+
+try:
+    __version__: str = importlib.metadata.version(_DISTRIBUTION)
+    """The installed version of dedup-kafka, e.g. ``"0.2.0"``."""
+except importlib.metadata.PackageNotFoundError:
+    # Imported from a source tree that was never installed: no metadata to read.
+    __version__ = "0+unknown"
 
 __all__ = [
     "ClaimResult",

@@ -28,6 +28,7 @@ from typing import Any
 import asyncpg
 import orjson
 
+import dedup
 from dedup import (
     audit,
     db,
@@ -727,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every ``dedup`` command."""
     parser = argparse.ArgumentParser(
         prog="dedup", description="Exactly-once effects for Kafka consumers and scheduled jobs."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"dedup (dedup-kafka) {dedup.__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

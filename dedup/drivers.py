@@ -2,7 +2,7 @@
 
 dedup's SQL runs on asyncpg.  A caller may hold an asyncpg connection (or a
 pool's connection proxy), or an SQLAlchemy ``AsyncConnection`` or
-``AsyncSession`` on the asyncpg dialect (the ``dedup[sqlalchemy]`` extra):
+``AsyncSession`` on the asyncpg dialect (the ``dedup-kafka[sqlalchemy]`` extra):
 dedup then runs on the driver connection beneath it, in the same transaction.
 """
 
@@ -34,7 +34,7 @@ async def in_transaction(conn: Any, what: str) -> asyncpg.Connection:
         raise errors.ConfigurationError(
             f"{what}: conn is a {type(conn).__module__}.{type(conn).__qualname__}; expected "
             "an asyncpg connection, or an SQLAlchemy AsyncConnection or AsyncSession "
-            "(pip install 'dedup[sqlalchemy]')"
+            "(pip install 'dedup-kafka[sqlalchemy]')"
         )
     return sqlalchemy
 

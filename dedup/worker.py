@@ -465,6 +465,10 @@ class PartitionWorker:
             telemetry.conflicts.add(len(result.conflicts), attrs)
         if result.dead_letters:
             telemetry.dead_lettered.add(len(result.dead_letters), attrs)
+        for letter in result.dead_letters:
+            # A handler's failures were logged as they happened; these were never tried.
+            if letter.error is None:
+                log.warning("dead-lettered %s: %s", letter.msg.where, letter.reason)
         telemetry.batch_size.record(batch, attrs)
         telemetry.transaction_duration.record(elapsed, attrs)
         if result.applied:

@@ -87,7 +87,7 @@ def shell_env(dsn: str, bootstrap_servers: str) -> dict[str, str]:
     return env
 
 
-def run(command: str, env: dict[str, str]) -> str:
+def run(command: str, env: dict[str, str], cwd: Path = ROOT) -> str:
     """What ``command`` prints, stdout and stderr interleaved as on a terminal."""
     done = subprocess.run(
         ["/bin/sh", "-c", command],
@@ -95,8 +95,14 @@ def run(command: str, env: dict[str, str]) -> str:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
         timeout=120,
         check=False,
     )
     return done.stdout
+
+
+def columns(text: str) -> str:
+    """Lines with their runs of blanks made one space (a table's widths follow its names)."""
+    lines = [" ".join(line.split()) for line in text.strip("\n").splitlines()]
+    return "".join(line + "\n" for line in lines)

@@ -10,15 +10,22 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 
-async def committed(bootstrap_servers: str, group: str) -> dict[int, int]:
-    """Kafka's committed offset of each partition of ``group`` (as Kafka's lag tools read it)."""
+async def committed(bootstrap_servers: str, group: str, topic: str | None = None) -> dict[int, int]:
+    """Kafka's committed offset of each partition of ``group`` (as Kafka's lag tools read it).
+
+    With ``topic``, of that topic's partitions only (a group may consume several).
+    """
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await admin.start()
     try:
         offsets = await admin.list_consumer_group_offsets(group)
     finally:
         await admin.close()
-    return {tp.partition: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
+    return {
+        tp.partition: meta.offset
+        for tp, meta in offsets.items()
+        if meta.offset >= 0 and topic in (None, tp.topic)
+    }
 
 
 async def end_offsets(bootstrap_servers: str, topic: str, partitions: int) -> dict[int, int]:

@@ -112,7 +112,11 @@ async def test_restart_resumes_from_the_offset_in_postgres(
 
 
 async def test_same_key_different_payload_is_a_conflict_and_dead_lettered(
-    mode: dict[str, Any], bootstrap_servers: str, topics: Topics, pool: Any
+    mode: dict[str, Any],
+    bootstrap_servers: str,
+    topics: Topics,
+    pool: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic = await topics.create()
     await pool.execute(support.EFFECTS)
@@ -138,6 +142,9 @@ async def test_same_key_different_payload_is_a_conflict_and_dead_lettered(
     assert "conflict" in letter["reason"] and f"{topic}:0:0" in letter["reason"]
     kinds = await pool.fetch("SELECT kind FROM dedup.events WHERE key = 'c1' ORDER BY id")
     assert [r["kind"] for r in kinds] == ["conflict", "dead_lettered"]
+    # The service's log says so too, not only the tables.
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"dead-lettered {topic}:0:2: conflict: key 'c1'") for m in warned)
 
 
 async def test_copies_in_one_batch_are_judged_against_the_stored_payload(

@@ -1,8 +1,9 @@
 """Every snippet of docs/reference/cli.md and docs/howto/audit-and-purge.md runs as written.
 
-Each page runs, block by block in page order, against a fresh database seeded
+Each page runs, block by block in page order, against a fresh database loaded
 with the story the pages tell (statement requests for 2026-11-30 consumed in
-namespace ``statements``, and the ``month-end`` task).  A ``console`` block is
+namespace ``statements``, and the ``month-end`` task) by the audit page's own
+setup commands and the SQL of its appendix.  A ``console`` block is
 a list of ``$ command`` lines, each followed by its expected output; the
 command runs in ``/bin/sh`` with ``DEDUP_DSN`` and ``KAFKA_BOOTSTRAP_SERVERS``
 pointing at the test's services and must print exactly that (``...`` stands
@@ -16,94 +17,40 @@ empty database) are run by test_docs_offsets.py and test_docs_migrate.py.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
 from tests.conftest import ROOT
 from tests.integration import docs_support
 
 CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
-PAGES = [CLI_PAGE, ROOT / "docs" / "howto" / "audit-and-purge.md"]
-TOPIC = "statement-requests"
 
-SEED = r"""
-INSERT INTO dedup.processed
-    (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash, status,
-     first_seen, processed_at, duplicates, conflicts, last_duplicate_at)
-VALUES
-    ('statements', 'acct-7:2026-11-30', 'statement-requests', 2, 1041, 3,
-     '\x5e0c8a4f1b2d9e7a3c6b8d0f2e4a6c81', 'processed',
-     '2026-11-30 23:05:12.25+00', '2026-11-30 23:05:12.25+00', 1, 0,
-     '2026-11-30 23:09:40.5+00'),
-    ('statements', 'acct-8:2026-11-30', 'statement-requests', 0, 998, 3,
-     '\x0d41c6e2f7a9b3580c2e4d6f8a1b3c5e', 'processed',
-     '2026-11-30 23:05:12.4+00', '2026-11-30 23:05:12.4+00', 0, 0, NULL),
-    ('statements', 'acct-9:2026-11-30', 'statement-requests', 1, 1203, 2,
-     '\x7f3e9b1c5a2d8e4f6b0c1d3e5f7a9b2c', 'processed',
-     '2026-11-30 23:05:13+00', '2026-11-30 23:05:13+00', 0, 1,
-     '2026-11-30 23:11:02.125+00'),
-    ('refunds', 'acct-7:2026-11-30', 'refund-requests', 0, 17, 1,
-     '\x2b8d4f6a0c1e3b5d7f9a2c4e6b8d0f13', 'processed',
-     '2026-12-01 08:00:00+00', '2026-12-01 08:00:00+00', 0, 0, NULL);
+AUDIT_PAGE = ROOT / "docs" / "howto" / "audit-and-purge.md"
+STORY = "-- story.sql"
+"""The first line of the audit page's appendix: the story's rows, which its setup loads."""
 
--- Old keys, for purge: 40 days before the database's now().
-INSERT INTO dedup.processed
-    (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash,
-     first_seen, processed_at)
-SELECT 'statements', 'acct-' || g || ':old', 'statement-requests', g % 3, g, 1, '\x00',
-       now() - interval '40 days', now() - interval '40 days'
-  FROM generate_series(1, 2500) AS g;
 
-INSERT INTO dedup.dead_letters
-    (namespace, group_id, topic, "partition", "offset", timestamp_ms, key, value,
-     header_names, header_values, idempotency_key, reason, error, attempts, token, created_at)
-VALUES
-    ('statements', 'statements', 'statement-requests', 1, 1250, 1764543662000, 'acct-9',
-     '{"account": "acct-9", "date": "2026-11-30", "total": 95}',
-     '{traceparent}', ARRAY['00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'::bytea],
-     'acct-9:2026-11-30',
-     'conflict: key ''acct-9:2026-11-30'' was applied from statement-requests:1:1203 '
-     'with a different payload',
-     NULL, 1, 2, '2026-11-30 23:11:02.125+00'),
-    ('statements', 'statements', 'statement-requests', 0, 1001, 1764543915000, 'acct-5',
-     '{"account": "acct-5", "date": "2026-11-30", "total": 40}',
-     '{}', '{}', 'acct-5:2026-11-30', 'handler failed 3 times',
-     'UndefinedTableError: relation "statement_lines" does not exist', 3, 3,
-     '2026-11-30 23:15:20+00');
+def story_setup() -> tuple[str, str]:
+    """The audit page's setup commands, and the story's SQL they load as story.sql."""
+    found = blocks(AUDIT_PAGE)
+    (setup,) = [text for language, text in found if language == "sh"]
+    (story,) = [text for language, text in found if text.startswith(STORY)]
+    assert "story.sql" in setup
+    return setup, story
 
-INSERT INTO dedup.events
-    (at, subject, kind, namespace, key, resource, holder, token, from_state, to_state,
-     trace_id, detail)
-VALUES
-    ('2026-11-30 23:11:02.125+00', 'message', 'conflict', 'statements', 'acct-9:2026-11-30',
-     'statement-requests:1', NULL, 2, NULL, NULL, '4bf92f3577b34da6a3ce929d0e0e4736',
-     '{"offset": 1250}'),
-    ('2026-11-30 23:11:02.125+00', 'message', 'dead_lettered', 'statements',
-     'acct-9:2026-11-30', 'statement-requests:1', NULL, 2, NULL, NULL,
-     '4bf92f3577b34da6a3ce929d0e0e4736',
-     '{"offset": 1250, "reason": "conflict", "attempts": 1}'),
-    ('2026-12-01 02:00:00.01+00', 'lease', 'lease_acquired', 'month-end', '2026-11-30',
-     'task:month-end:2026-11-30', 'batch-a:4121', 1, NULL, NULL, NULL, '{"ttl": 60.0}'),
-    ('2026-12-01 02:00:00.02+00', 'task', 'task_started', 'month-end', '2026-11-30',
-     'task:month-end:2026-11-30', 'batch-a:4121', 1, 'pending', 'running', NULL,
-     '{"attempt": 1, "forced": false}'),
-    ('2026-12-01 02:01:05.3+00', 'lease', 'lease_acquired', 'month-end', '2026-11-30',
-     'task:month-end:2026-11-30', 'batch-b:977', 2, NULL, NULL, NULL, '{"ttl": 60.0}'),
-    ('2026-12-01 02:01:05.31+00', 'task', 'task_taken_over', 'month-end', '2026-11-30',
-     'task:month-end:2026-11-30', 'batch-b:977', 2, 'running', 'running', NULL,
-     '{"old_token": 1, "new_token": 2, "old_holder": "batch-a:4121", "attempt": 2,
-       "forced": false}'),
-    ('2026-12-01 02:03:40.8+00', 'task', 'task_succeeded', 'month-end', '2026-11-30',
-     'task:month-end:2026-11-30', 'batch-b:977', 2, 'running', 'succeeded', NULL,
-     '{"attempt": 2}'),
-    ('2026-12-01 02:03:40.81+00', 'lease', 'lease_released', 'month-end', '2026-11-30',
-     'task:month-end:2026-11-30', 'batch-b:977', 2, NULL, NULL, NULL, '{}');
-"""
+
+def load_story(env: dict[str, str], folder: Path) -> None:
+    """Run the page's setup as written, from a folder that has story.sql and the checkout's
+    compose/ (as the checkout's root has)."""
+    setup, story = story_setup()
+    (folder / "story.sql").write_text(story)
+    (folder / "compose").symlink_to(ROOT / "compose")
+    out = docs_support.run(f"set -e\n{setup}echo set up", env, cwd=folder)
+    assert out.endswith("set up\n"), out
 
 
 def blocks(page: Path) -> list[tuple[str, str]]:
@@ -128,27 +75,18 @@ def crontab(text: str) -> list[str]:
     return commands
 
 
-async def ensure_topic(bootstrap_servers: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(TOPIC, 3, 1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        await admin.close()
-
-
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [CLI_PAGE, AUDIT_PAGE], ids=lambda p: p.name)
 async def test_every_snippet_of_the_page_runs_as_written(
-    page: Path, dsn: str, pool: Any, bootstrap_servers: str
+    page: Path, dsn: str, bootstrap_servers: str, pool: Any, tmp_path: Path
 ) -> None:
-    await pool.execute(SEED)
-    await ensure_topic(bootstrap_servers)
     env = docs_support.shell_env(dsn, bootstrap_servers)
+    await asyncio.to_thread(load_story, env, tmp_path)
+    assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 2
     found = blocks(page)
     assert found, f"{page.name} has no snippets"
     for language, text in found:
+        if text in story_setup():
+            continue  # loaded above
         if language == "console":
             for command, expected in docs_support.console(text):
                 actual = docs_support.run(command, env)

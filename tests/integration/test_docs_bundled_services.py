@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tests.conftest import ROOT, Topics
 from tests.integration import docs_support, service_support
 
 PAGE = ROOT / "docs" / "howto" / "bundled-services.md"
+SERVICES = ("payments", "coupons", "notifications")
 DAY = dt.date(2026, 11, 30)
 
 
@@ -65,19 +67,21 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
 ) -> None:
     blocks = docs_support.snippets(PAGE)
     assert [lang for lang, _ in blocks] == [
-        *("sh", "json", "sql", "sh", "python", "sql"),  # migrations, payments
+        *("sh", "sh"),  # topics, migrations
+        *("json", "sql", "sh", "python", "sql"),  # payments
         *("json", "sh", "sql"),  # coupons
         *("json", "sh", "sh", "sh"),  # notifications
         *("sh", "sh", "sql"),  # statements
         *("sh", "sh", "sh"),  # reconcile, telemetry
     ]
-    text = [body for _, body in blocks]
+    topic_commands, *text = [body for _, body in blocks]
+    # The page's topics under names of this test's own, made by the page's commands.
+    names = {name: f"{name}-{uuid.uuid4().hex[:12]}" for name in SERVICES}
+    topics.created += names.values()
     env = {
         **service_support.environment(dsn, bootstrap_servers),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PAYMENTS_TOPIC": await topics.create(partitions=2),
-        "COUPONS_TOPIC": await topics.create(),
-        "NOTIFICATIONS_TOPIC": await topics.create(),
+        **{f"{name.upper()}_TOPIC": topic for name, topic in names.items()},
     }
 
     async def sh(command: str) -> tuple[int, str, str]:
@@ -92,7 +96,15 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
         rest = " ".join(words[len(assignments) :])
         return service_support.child(f"exec {rest}", env={**env, **extra}, via_shell=True)
 
-    # Migrations, applied once ahead of the services.
+    # Topics, with Kafka's own tool: the page's names become the test's.
+    assert [f"--topic {name}" in topic_commands for name in SERVICES] == [True] * 3
+    for name, topic in names.items():
+        topic_commands = re.sub(rf"--topic {name}\b", f"--topic {topic}", topic_commands)
+    code, out, err = await sh(topic_commands)
+    assert code == 0, err
+    assert out.splitlines() == [f"Created topic {topic}." for topic in names.values()]
+
+    # Migrations, applied once ahead of the services (the accounts need their table).
     code, _, err = await sh(text[0])
     assert code == 0, err
     components = await pool.fetch("SELECT component FROM dedup.migrations")

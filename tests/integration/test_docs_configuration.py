@@ -14,6 +14,7 @@ import asyncio
 import os
 import re
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,8 @@ async def test_every_snippet_of_the_page_runs_as_written(
 ) -> None:
     await payments.SERVICE.migrate(pool)
     await pool.execute("INSERT INTO payments.accounts (account, balance) VALUES ('acct-7', 500)")
-    topic = await topics.create()
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    topics.created.append(topic)  # the page's first command creates it; deleted afterwards
     group = f"g-{topic}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "PG"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -81,16 +83,13 @@ async def test_every_snippet_of_the_page_runs_as_written(
         for command, expected in docs_support.console(text):
             if "consumer-groups" in command:
                 await consume_the_payment(bootstrap_servers, topic, group, pool)
-            actual = columns(await run(ours(command), env))
+            actual = docs_support.columns(await run(ours(command), env))
             shown = re.sub(
-                r"^payments payments ", f"{group} {topic} ", columns(expected), flags=re.M
-            )
+                r"^payments payments ",
+                f"{group} {topic} ",
+                docs_support.columns(expected),
+                flags=re.M,
+            ).replace("Created topic payments.", f"Created topic {topic}.")
             assert docs_support.expected_pattern(shown).fullmatch(actual), (
                 f"`{command}` printed:\n{actual}\nthe page says:\n{expected}"
             )
-
-
-def columns(text: str) -> str:
-    """Lines with their runs of blanks made one space (a table's widths follow its names)."""
-    lines = [" ".join(line.split()) for line in text.strip("\n").splitlines()]
-    return "".join(line + "\n" for line in lines)

@@ -36,11 +36,11 @@ async def test_readme_example_deducts_once(
     assert {"make demo", "make test"} <= {
         line.split("#")[0].strip() for line in blocks[0][1].splitlines()
     }
-    # The example's own topic name; it may exist from an earlier run or the demo.
+    # The example's own topic name (the quickstart's); it may exist from an earlier run.
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic("payments", 1, 1)])
+        await admin.create_topics([NewTopic("quickstart-payments", 1, 1)])
     except TopicAlreadyExistsError:
         pass
     finally:
@@ -60,12 +60,14 @@ async def test_readme_example_deducts_once(
     try:
         # Produce once the example holds the partition (it reads from the latest offset).
         await helpers.wait_for(
-            lambda: pool.fetchval("SELECT count(*) FROM dedup.partitions WHERE topic = 'payments'"),
+            lambda: pool.fetchval(
+                "SELECT count(*) FROM dedup.partitions WHERE topic = 'quickstart-payments'"
+            ),
             what="the example to take the payments partition",
         )
         pay_id = f"pay-{os.getpid()}-{id(proc)}"
         payment = orjson.dumps({"payment_id": pay_id, "account": "acc-1", "amount": 30})
-        await helpers.produce(bootstrap_servers, "payments", [(None, payment)] * 3)
+        await helpers.produce(bootstrap_servers, "quickstart-payments", [(None, payment)] * 3)
         await helpers.wait_for(
             lambda: pool.fetchval(
                 "SELECT duplicates = 2 FROM dedup.processed WHERE idempotency_key = $1", pay_id

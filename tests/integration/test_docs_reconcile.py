@@ -1,9 +1,9 @@
 """Every snippet of docs/howto/reconcile.md runs, in page order, and prints what the page shows.
 
-The statements of 2026-11-30 are written first (the ledger of
-test_service_statements); the page's outputs are compared with the real ones
-line for line, the planted mismatch is the page's own DELETE, the user's
-check module and its entry point are the page's, run from a project folder.
+From a database without the services' tables: the page's own ledger, written to statements by the
+page's command; the page's outputs are compared with the real ones line for
+line, the planted mismatch is the page's own DELETE, the user's check module,
+its tables and its entry point are the page's, run from a project folder.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from typing import Any
 import orjson
 
 import dedup
-from consumers import statements
 from tests.conftest import ROOT
 from tests.integration import docs_support, service_support
-from tests.integration.test_service_statements import DAY, ledger
+from tests.integration.test_service_statements import DAY
 
 PAGE = ROOT / "docs" / "howto" / "reconcile.md"
 
@@ -31,10 +30,14 @@ async def test_every_snippet_of_the_reconcile_howto_works(
 ) -> None:
     blocks = docs_support.snippets(PAGE)
     assert [lang for lang, _ in blocks] == [
+        *("sh", "sql", "sh"),  # the page's own ledger and statements
         *("sh", "text", "sql", "text", "sh", "json", "sql", "sh"),
-        *("python", "sh", "toml", "python"),
+        *("python", "sql", "sh", "text", "toml", "python"),
     ]
     (
+        migrations,
+        the_ledger,
+        write_statements,
         command,
         ok_output,
         lose_a_row,
@@ -44,12 +47,12 @@ async def test_every_snippet_of_the_reconcile_howto_works(
         events_query,
         list_command,
         module,
+        day_tables,
         module_command,
+        module_output,
         entry_points,
         library,
     ) = (body for _, body in blocks)
-    await ledger(pool)
-    await dedup.TaskRunner(pool=pool).run(statements.TASK, DAY, statements.job)
     env = {
         **service_support.environment(dsn),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -57,6 +60,17 @@ async def test_every_snippet_of_the_reconcile_howto_works(
 
     async def sh(text: str, cwd: Path = ROOT) -> tuple[int, str, str]:
         return await service_support.run(text, env=env, via_shell=True, cwd=cwd)
+
+    # The page's migrations, ledger and statements run.
+    code, _, err = await sh(migrations)
+    assert code == 0, err
+    await pool.execute(the_ledger)
+    code, out, err = await sh(write_statements)
+    assert code == 0, (out, err)
+    written = await pool.fetch(
+        "SELECT account, payments, rejected, total FROM statements.statements ORDER BY account"
+    )
+    assert [tuple(r) for r in written] == [("acc-1", 1, 0, 2500), ("acc-2", 1, 1, 400)]
 
     assert await sh(command) == (0, ok_output, "")
     await pool.execute(lose_a_row)
@@ -70,7 +84,7 @@ async def test_every_snippet_of_the_reconcile_howto_works(
         ("reconcile_mismatch", "statements", DAY),
         ("reconcile_mismatch", "statements", DAY),
     ]
-    assert recorded[2]["detail"]["total_difference"] == -60
+    assert recorded[2]["detail"]["total_difference"] == -400
 
     code, out, _ = await sh(list_command)
     assert code == 0
@@ -86,20 +100,10 @@ async def test_every_snippet_of_the_reconcile_howto_works(
     project.mkdir()
     assert module.startswith("# nightly_checks.py\n")
     (project / "nightly_checks.py").write_text(module)
-    await pool.execute(
-        "CREATE TABLE orders (order_date date, amount numeric);"
-        "CREATE TABLE invoices (invoice_date date, amount numeric);"
-        "INSERT INTO orders VALUES ('2026-11-30', 10.50), ('2026-11-30', 4);"
-        "INSERT INTO invoices VALUES ('2026-11-30', 10.50), ('2026-11-30', 4);"
-    )
+    await pool.execute(day_tables)
     code, out, err = await sh(module_command, cwd=project)
     assert code == 0, err
-    assert out.splitlines() == [
-        "reconcile orders 2026-11-30: OK",
-        "  source (orders taken):          2 rows, total 14.50",
-        "  result (invoices issued):       2 rows, total 14.50",
-        "  difference (result - source):  +0 rows, total    +0",
-    ]
+    assert out == module_output
     # The entry point names the same declaration.
     (entry,) = tomllib.loads(entry_points)["project"]["entry-points"]["dedup.reconcile"].items()
     sys.path.insert(0, str(project))
@@ -115,4 +119,7 @@ async def test_every_snippet_of_the_reconcile_howto_works(
         "-c", library, env=env, program=sys.executable, cwd=tmp_path
     )
     assert code == 1, err
-    assert out.splitlines() == [*mismatch_output.splitlines(), "missing: 1 statements, 60 in total"]
+    assert out.splitlines() == [
+        *mismatch_output.splitlines(),
+        "missing: 1 statements, 400 in total",
+    ]

@@ -1,10 +1,12 @@
 """Every snippet of docs/howto/sqlalchemy.md runs, in page order, on the real services.
 
-The page's models and loop are written out as the two modules they say they
-are and imported; the loop consumes payments (a duplicate and a conflicting
-copy among them) until Kafka holds its offsets; then the group's offsets go
-back to the start, as after a crash between the Postgres and the Kafka commit,
-and every record is delivered again: nothing is applied twice.
+The page's models, loop and run script are written out as the files they say
+they are, and ``python run.py`` runs as the page says: it makes the tables
+and the topic, sends the payments (a duplicate and a conflicting copy among
+them) and consumes them until Kafka holds its offsets; it stops on Ctrl-C.
+The page's query prints its rows in psql.  Then the group's offsets go back
+to the start, as after a crash between the Postgres and the Kafka commit, and
+every record is delivered again: nothing is applied twice.
 """
 
 from __future__ import annotations
@@ -12,28 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import signal
 import sys
+import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
-
-import orjson
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from tests import helpers
 from tests.conftest import ROOT, Topics
 from tests.integration import docs_support, kafka_support
 
 PAGE = ROOT / "docs" / "howto" / "sqlalchemy.md"
-
-PAYMENTS = [
-    {"payment_id": "p1", "account": "acme", "amount": "10.00"},
-    {"payment_id": "p2", "account": "acme", "amount": "5.50"},
-    {"payment_id": "p3", "account": "globex", "amount": "7.25"},
-    {"payment_id": "p1", "account": "acme", "amount": "10.00"},  # a producer retry
-    {"payment_id": "p2", "account": "acme", "amount": "9.99"},  # same key, another payload
-]
 
 
 @contextlib.contextmanager
@@ -54,53 +47,58 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
     dsn: str, pool: Any, bootstrap_servers: str, topics: Topics, tmp_path: Path
 ) -> None:
     blocks = docs_support.checked_snippets(PAGE.name, PAGE.read_text(encoding="utf-8"))
-    assert [lang for lang, _ in blocks] == ["python", "python", "sql", "console"]
-    (_, models_code), (_, consume_code), (_, seen_sql), (_, audit_console) = blocks
-    assert models_code.startswith("# models.py\n") and consume_code.startswith("# consume.py\n")
+    assert [lang for lang, _ in blocks] == [
+        *("python", "python", "python", "sh"),  # models.py, consume.py, run.py; run it
+        *("sql", "text", "console"),
+    ]
+    (_, models_code), (_, consume_code), (_, run_code), (_, run_command) = blocks[:4]
+    (_, seen_sql), (_, seen_rows), (_, audit_console) = blocks[4:]
+    for name, code in (("models", models_code), ("consume", consume_code), ("run", run_code)):
+        assert code.startswith(f"# {name}.py\n")
+        (tmp_path / f"{name}.py").write_text(code, encoding="utf-8")
 
-    topic = await topics.create(partitions=2)
-    group = f"ledger-{topic}"
+    # The page's run.py makes the topic (under this test's name) and the tables.
+    topic = f"ledger-{uuid.uuid4().hex[:12]}"
+    topics.created.append(topic)
+    group = "ledger"  # consume()'s default, which run.py keeps
+    env = docs_support.shell_env(dsn, bootstrap_servers) | {"LEDGER_TOPIC": topic}
+    assert run_command == "python run.py\n"
+    run = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", f"exec {run_command}", cwd=tmp_path, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert run.stdout is not None
+        started = await asyncio.wait_for(run.stdout.readline(), 60)
+        assert started.decode() == f"sent 5 payments to {topic}; consuming until Ctrl-C\n"
+        ends = await kafka_support.end_offsets(bootstrap_servers, topic, 2)
+        await _committed(bootstrap_servers, group, topic, ends)
+    finally:
+        run.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = await asyncio.wait_for(run.communicate(), 30)
+    assert run.returncode == 0, err.decode()
+
+    first = [tuple(r) for r in await pool.fetch(seen_sql)]
+    shown = docs_support.run(f'psql "$DEDUP_DSN" -c "{seen_sql}"', env)
+    assert docs_support.columns(shown) == docs_support.columns(seen_rows), shown
+    for command, expected in docs_support.console(audit_console):
+        out = docs_support.run(command, env)
+        assert docs_support.expected_pattern(expected + "\n").fullmatch(out), out
+
+    # A crash after the Postgres commit, before Kafka's: every record again.
     url = dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
-    await helpers.produce(
-        bootstrap_servers,
-        topic,
-        [(p["account"].encode(), orjson.dumps(p)) for p in PAYMENTS],
-    )
-    ends = await kafka_support.end_offsets(bootstrap_servers, topic, 2)
-
     with page_modules(tmp_path, {"models": models_code, "consume": consume_code}) as mods:
-        engine = create_async_engine(url)
-        try:
-            async with engine.begin() as conn:
-                await conn.run_sync(mods["models"].Base.metadata.create_all)
-        finally:
-            await engine.dispose()
-
-        async def run_until_committed() -> None:
-            loop = asyncio.create_task(
-                mods["consume"].consume(url, bootstrap_servers, topic=topic, group_id=group)
-            )
-            try:
-                await helpers.wait_for(
-                    lambda: helpers.equal(kafka_support.committed(bootstrap_servers, group), ends),
-                    what="the loop's Kafka commit of every record",
-                    interval=0.5,
-                )
-            finally:
-                loop.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loop
-
-        await run_until_committed()
-        first = [tuple(r) for r in await pool.fetch(seen_sql)]
-        env = docs_support.shell_env(dsn, bootstrap_servers)
-        for command, expected in docs_support.console(audit_console):
-            out = docs_support.run(command, env)
-            assert docs_support.expected_pattern(expected + "\n").fullmatch(out), out
-        # A crash after the Postgres commit, before Kafka's: every record again.
         await kafka_support.reset(bootstrap_servers, group, topic, {0: 0, 1: 0})
-        await run_until_committed()
-        again = [tuple(r) for r in await pool.fetch(seen_sql)]
+        loop = asyncio.create_task(
+            mods["consume"].consume(url, bootstrap_servers, topic=topic, group_id=group)
+        )
+        try:
+            await _committed(bootstrap_servers, group, topic, ends)
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+    again = [tuple(r) for r in await pool.fetch(seen_sql)]
 
     d = Decimal
     assert first == [
@@ -117,3 +115,11 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
     dead = await pool.fetch("SELECT idempotency_key, reason FROM dedup.dead_letters")
     assert [r["idempotency_key"] for r in dead] == ["p2"], "the conflicting copy, once"
     assert dead[0]["reason"].startswith("conflict: key 'p2' was applied from")
+
+
+async def _committed(bootstrap_servers: str, group: str, topic: str, ends: dict[int, int]) -> None:
+    await helpers.wait_for(
+        lambda: helpers.equal(kafka_support.committed(bootstrap_servers, group, topic), ends),
+        what="the loop's Kafka commit of every record",
+        interval=0.5,
+    )

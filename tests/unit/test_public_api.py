@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import tomllib
+
+import pytest
 
 import dedup
+from dedup import cli
+from tests.conftest import ROOT
 
 CONTRACT = {
     "IdempotentConsumer",
@@ -61,3 +66,12 @@ def test_consumer_signature_of_the_contract() -> None:
     ):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
     assert dedup.consumer.DEFAULT_BATCH_SIZE == 500
+
+
+def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert dedup.__version__ == version
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"dedup (dedup-kafka) {version}\n"
