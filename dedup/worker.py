@@ -209,6 +209,14 @@ class PartitionWorker:
         delay = 0.1
         alone = False
         while True:
+            if self.expected is not None:
+                # What committed already stays out of the retry: the parts of a batch
+                # split around a failing message before a transient error struck a
+                # later part, or our own COMMIT whose answer was lost (_refused).
+                msgs = [m for m in msgs if m.offset >= self.expected]
+                dead = [d for d in dead if d.msg.offset >= self.expected]
+                if not msgs and not dead:
+                    return True
             try:
                 async with self._lanes.lane(alone=alone) as lane:
                     try:
@@ -224,12 +232,6 @@ class PartitionWorker:
                         return True
                 # Our own earlier COMMIT went through though its answer was lost:
                 # carry on from where it left the partition (_refused moved expected).
-                landed = self.expected
-                assert landed is not None  # noqa: S101 - set by _refused
-                msgs = [m for m in msgs if m.offset >= landed]
-                dead = [d for d in dead if d.msg.offset >= landed]
-                if not msgs and not dead:
-                    return True
             except Exception as exc:
                 if not db.is_retriable(exc):
                     raise
