@@ -2,14 +2,23 @@
 
     python -m tests.chaos.consumer_child --dsn DSN --bootstrap-servers HOST:PORT \
         --topic T --group G --holder H [--batch-size N] [--hold SECONDS] \
-        [--session-timeout-ms MS] [--max-poll-interval-ms MS] [--idle-timeout-ms MS]
+        [--session-timeout-ms MS] [--max-poll-interval-ms MS] [--idle-timeout-ms MS] \
+        [--handler plain|hot-rows|hang]
 
 It runs ``dedup.IdempotentConsumer`` with a batch handler that writes one
 ``chaos_effects`` row per applied message: key, partition, offset, and the
 token and holder it ran under.  Every committed batch also leaves a
 ``chaos_batches`` row in its own transaction, so the oracle can check the token
 of every transaction that moved an offset, not only of those that applied
-something.
+something.  ``--handler`` adds what real handlers do:
+
+``hot-rows``  then adds each message's amount to its account's balance
+              (``chaos_accounts``, a few rows every partition shares), one
+              UPDATE per message in offset order, unsorted: the lanes of one
+              consumer and those of several deadlock each other
+``hang``      a message with ``"hang": true`` makes the handler await forever
+              (after its batch's writes, which must roll back); each attempt
+              is logged in ``chaos_hangs`` on a connection of its own
 
 Commands on stdin, one a line, arm a failpoint for the next batch:
 
@@ -19,11 +28,15 @@ Commands on stdin, one a line, arm a failpoint for the next batch:
 ``slow SECONDS``   the handler works SECONDS, longer than ``max.poll.interval.ms``
 
 Lines on stdout: ``READY <holder>``, ``FAILPOINT <what> <partition> <offset>
-<token>`` right before it strikes, ``STATS <json>`` on a clean exit (SIGTERM).
+<token>`` right before it strikes, ``HANG <partition> <offset> <token>`` when
+the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM).
 
 ``CHAOS_BREAK`` builds a deliberately broken consumer, for the suite's teeth:
 
-``no_fence``      the fence passes whatever the token and the stored offset
+``no_fence``      the fence passes whatever the token and the stored offset (in
+                  the batch's claim and in the offset moves past records never
+                  handed out), and the consumer's periodic look for a newer
+                  token in ``dedup.partitions`` is off
 ``offset_first``  the offset is stored (and committed) before the batch's writes
 ``outside_tx``    the handler writes through its own connection, not ``tx.conn``
 """
@@ -43,8 +56,9 @@ import orjson
 import dedup
 from dedup import consumer as consumer_
 from dedup import db, store, worker
+from tests.chaos import scenarios
 
-EFFECTS = """
+EFFECTS = f"""
 CREATE TABLE IF NOT EXISTS chaos_effects (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     key         text   NOT NULL,
@@ -61,9 +75,26 @@ CREATE TABLE IF NOT EXISTS chaos_batches (
     first_offset bigint NOT NULL,
     next_offset  bigint NOT NULL
 );
+CREATE TABLE IF NOT EXISTS chaos_accounts (
+    account int    PRIMARY KEY,
+    balance bigint NOT NULL DEFAULT 0
+);
+INSERT INTO chaos_accounts (account)
+SELECT generate_series(0, {scenarios.ACCOUNTS - 1}) ON CONFLICT DO NOTHING;
+CREATE TABLE IF NOT EXISTS chaos_hangs (
+    id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    "partition" int         NOT NULL,
+    "offset"    bigint      NOT NULL,
+    token       bigint      NOT NULL,
+    holder      text        NOT NULL,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 """
-"""The business table (no unique key: a message applied twice shows as two rows)
-and the log of committed batches."""
+"""The business tables (no unique key on the effects: a message applied twice shows
+as two rows; the hot rows of ``--handler hot-rows``), the log of committed
+batches and the log of hung handler calls (committed on their own)."""
+
+HANDLERS = ("plain", "hot-rows", "hang")
 
 BREAKS = ("no_fence", "offset_first", "outside_tx")
 FENCE = "AND token = $5 AND next_offset IS NOT DISTINCT FROM $6"
@@ -150,6 +181,21 @@ def install(failpoints: Failpoints, holder: str, group: str, broken: str | None)
     worker.PartitionWorker._transaction = transaction  # type: ignore[method-assign]
 
 
+def unfence(consumer: dedup.IdempotentConsumer) -> None:
+    """Take every fence out: the queries' token checks, and the periodic owner look
+    (which would notice the newer token and stop the old owner on its own)."""
+    rendered = consumer.store.queries._rendered
+    for name in ("fence_and_claim", "advance_partition"):
+        if FENCE not in rendered[name]:
+            raise SystemExit(f"CHAOS_BREAK=no_fence: the fence of {name} changed; update FENCE")
+        rendered[name] = rendered[name].replace(FENCE, NO_FENCE)
+
+    async def no_owner_check(self: consumer_.IdempotentConsumer) -> None:
+        return None
+
+    consumer_.IdempotentConsumer._check_owners = no_owner_check  # type: ignore[method-assign]
+
+
 async def main(args: argparse.Namespace) -> None:
     broken = os.environ.get("CHAOS_BREAK") or None
     if broken not in (None, *BREAKS):
@@ -182,6 +228,31 @@ async def main(args: argparse.Namespace) -> None:
             tx.token,
             args.holder,
         )
+        if args.handler == "hot-rows":
+            # What the README's payment handler does, in offset order: two batches
+            # that touch the same accounts in another order deadlock.
+            for m in msgs:
+                body = m.json()
+                await writer.execute(
+                    "UPDATE chaos_accounts SET balance = balance + $2 WHERE account = $1",
+                    body["account"],
+                    body["amount"],
+                )
+                await asyncio.sleep(0.002)  # a call out between two updates, rows held
+        if args.handler == "hang":
+            hung = next((m for m in msgs if m.json().get("hang")), None)
+            if hung is not None:
+                # Logged outside the transaction, which the cancellation rolls back.
+                await pool.execute(
+                    'INSERT INTO chaos_hangs ("partition", "offset", token, holder)'
+                    " VALUES ($1, $2, $3, $4)",
+                    hung.partition,
+                    hung.offset,
+                    tx.token,
+                    args.holder,
+                )
+                say(f"HANG {hung.partition} {hung.offset} {tx.token}")
+                await asyncio.Event().wait()  # forever: only handler_timeout ends it
         if failpoints.slow:
             seconds, failpoints.slow = failpoints.slow, 0.0
             say(f"SLOW {msgs[0].partition} {msgs[0].offset} {tx.token} {seconds}")
@@ -210,16 +281,7 @@ async def main(args: argparse.Namespace) -> None:
         handler_timeout=max(args.idle_timeout_ms / 1000 - consumer_.IDLE_MARGIN, 0.5),
     )
     if broken == "no_fence":
-        rendered = consumer.store.queries._rendered
-        if FENCE not in rendered["fence_and_claim"]:
-            raise SystemExit("CHAOS_BREAK=no_fence: the fence condition changed; update FENCE")
-        for name in ("fence_and_claim", "advance_partition"):
-            rendered[name] = rendered[name].replace(FENCE, NO_FENCE)
-
-        async def never_look(self: Any) -> None:
-            """The periodic owner check would find the newer token without the fence."""
-
-        consumer_.IdempotentConsumer._check_owners = never_look  # type: ignore[method-assign]
+        unfence(consumer)
     listener = asyncio.create_task(failpoints.listen())
     say(f"READY {args.holder}")
     try:
@@ -242,6 +304,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-timeout-ms", type=int, default=3000)
     p.add_argument("--max-poll-interval-ms", type=int, default=300_000)
     p.add_argument("--idle-timeout-ms", type=int, default=4000)
+    p.add_argument("--handler", choices=HANDLERS, default="plain")
     return p.parse_args(argv)
 
 
@@ -249,4 +312,5 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
+    logging.getLogger("dedup").setLevel(logging.INFO)  # deadlocks, splits, takeovers
     asyncio.run(main(parse()))

@@ -18,6 +18,9 @@ strikes.  Faults (``Fault.kind``):
 ``replay``  production ends, the topic is drained, the group is stopped, the
     stored offsets are set back to the earliest, the group starts again and one
     member is killed at its first batch of the replay
+``hang``  a record whose handler awaits forever goes to a seeded partition; it
+    must be cancelled at ``handler_timeout``, retried and dead-lettered, while
+    the owner's other partitions keep moving
 
 Recovery time of a fault: from the moment the fault is over (the member died,
 the broker or Postgres answers again; for a pause, from SIGSTOP) until every
@@ -178,6 +181,8 @@ class ConsumerRun(Run):
         self.production_done = asyncio.Event()
         self.produced = 0
         self.recovering: asyncio.Future[None] | None = None
+        self.producer: Any = None
+        self.hangs = 0
 
     # ---------------------------------------------------------- members --
 
@@ -190,6 +195,7 @@ class ConsumerRun(Run):
             *("--session-timeout-ms", str(o.session_timeout_ms)),
             *("--max-poll-interval-ms", str(o.max_poll_interval_ms)),
             *("--idle-timeout-ms", str(o.idle_timeout_ms)),
+            *("--handler", o.handler),
         ]
         env = {"CHAOS_BREAK": self.broken} if self.broken else {}
         child = await self.spawn("tests.chaos.consumer_child", args, name, env)
@@ -299,6 +305,7 @@ class ConsumerRun(Run):
             enable_idempotence=False,
         )
         await producer.start()
+        self.producer = producer
         try:
             while self.produced < self.size.messages or not self.production_may_stop.is_set():
                 for send in messages.next():
@@ -310,7 +317,7 @@ class ConsumerRun(Run):
             self.production_done.set()
             self.note(f"production done: {self.produced} records")
 
-    async def _send(self, producer: Any, send: scenarios.Send) -> None:
+    async def _send(self, producer: Any, send: scenarios.Send) -> int:
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -333,7 +340,7 @@ class ConsumerRun(Run):
                 await asyncio.sleep(0.5)
                 continue
             self.acked[meta.partition] = max(self.acked[meta.partition], meta.offset + 1)
-            return
+            return int(meta.offset)
 
     async def end_offsets(self) -> dict[int, int]:
         consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=self.bootstrap)
@@ -425,6 +432,8 @@ class ConsumerRun(Run):
             self.watch(f"slow batch of {child.name}", t0, affected)
         elif kind == "replay":
             await self._replay(f)
+        elif kind == "hang":
+            await self._hang(f)
         else:
             raise AssertionError(f"unknown fault kind {kind!r}")
         self.result.faults += 1
@@ -559,6 +568,56 @@ class ConsumerRun(Run):
             self.background(leave())
         self.watch(f"{'kill' if kill else 'exit'} of {child.name}", t0, affected)
 
+    async def _hang(self, f: scenarios.Fault) -> None:
+        """Send a record whose handler hangs; the owner's other partitions must keep moving
+        until it is dead-lettered (the recovery time: from the hang to the dead letter)."""
+        partition = min(int(f.pick * self.size.partitions), self.size.partitions - 1)
+        offset = await self._send(self.producer, scenarios.hang_record(self.hangs, partition))
+        self.hangs += 1
+        mark = f"HANG {partition} {offset} "
+
+        async def hung() -> Child | None:
+            every = [*self.slots.values(), *self.members.values()]
+            return next((c for c in every if any(x.startswith(mark) for x in c.lines)), None)
+
+        child = await helpers.wait_for(hung, within=60, what=f"a handler to hang at {mark}")
+        t0, before = time.monotonic(), await self.offsets_of(None)
+        self.note(f"{child.name}'s handler hangs at partition {partition} offset {offset}")
+
+        async def dead_lettered() -> bool:
+            return bool(
+                await self.q(
+                    lambda p: p.fetchval(
+                        "SELECT EXISTS (SELECT FROM dedup.dead_letters WHERE topic = $1"
+                        ' AND "partition" = $2 AND "offset" = $3)',
+                        self.topic,
+                        partition,
+                        offset,
+                    )
+                )
+            )
+
+        await helpers.wait_for(
+            dead_lettered, within=RECOVERY_WITHIN, what=f"the hung record at {mark}dead-lettered"
+        )
+        took = time.monotonic() - t0
+        self.result.recoveries.append(took)
+        self.note(f"the hung record of partition {partition} dead-lettered after {took:.1f}s")
+        after = await self.offsets_of(None)
+        mine = {p for p, (h, _, _) in (await self.owners()).items() if h == child.name}
+        # The hang holds up its own partition only: every other partition of its
+        # owner that had records waiting moved meanwhile.
+        stuck = [
+            (p, base)
+            for p, base in sorted(before.items())
+            if p != partition and p in mine and self.acked[p] > (base or 0) and after.get(p) == base
+        ]
+        if stuck:
+            self.violation(
+                f"partitions (partition, offset) {stuck} of {child.name} did not move during "
+                f"the {took:.1f}s its handler hung on partition {partition}"
+            )
+
     async def _replay(self, f: scenarios.Fault) -> None:
         self.production_may_stop.set()
         await self.drain("first pass")
@@ -624,6 +683,10 @@ class ConsumerRun(Run):
             code = await c.terminate()
             self.note(f"{c.name} stopped with exit code {code}")
         self.check_exits()
+        for c in self.children:
+            for line in c.lines:
+                if line.startswith("STATS "):
+                    self.note(f"{c.name}: {line}")
         records = await oracle.read_topic(self.bootstrap, self.topic, self.size.partitions)
         async with self.pool.acquire() as conn:
             verdict = await oracle.check_consumer_run(
@@ -633,6 +696,7 @@ class ConsumerRun(Run):
                 group=self.group,
                 topic=self.topic,
                 passes=1 if self.first_pass else 2,
+                accounts=self.scenario.traffic.accounts,
             )
         r = self.result
         r.messages = len(records)
@@ -640,6 +704,12 @@ class ConsumerRun(Run):
         r.stale_refused, r.stale_committed = verdict.stale_refused, verdict.stale_committed
         r.duplicates = verdict.duplicates
         r.violations.extend(verdict.violations)
+        # Counted by the server (a crash of Postgres forgets the count so far).
+        r.deadlocks = await self.q(
+            lambda p: p.fetchval(
+                "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+            )
+        )
         return self.finish()
 
     async def delete_topic(self) -> None:

@@ -12,8 +12,11 @@ The database is read as users see it.  Checks, for a consumer run:
 3. every copy is accounted for once per pass over the topic: for each key,
    1 + duplicates + conflicts = the records carrying it (times the passes);
 4. the dead letters are exactly the poison records (bad JSON, no key field,
-   handler bug, conflicting payload), each with its whole record (key, value,
-   headers in order) and a reason of the right kind;
+   handler bug, conflicting payload, a handler that hangs), each with its whole
+   record (key, value, headers in order) and a reason of the right kind; a
+   record whose handler hangs was cancelled at ``handler_timeout`` (the dead
+   letter's error says so) and tried ``max_attempts`` times at least (its
+   ``chaos_hangs`` rows) before it was dead-lettered, never counted as lost;
 5. offsets: at the end every partition's ``next_offset`` is the end of the
    partition; in every snapshot taken during the run (one transaction each),
    every record below ``next_offset`` is applied, a duplicate, or dead-lettered,
@@ -24,6 +27,9 @@ The database is read as users see it.  Checks, for a consumer run:
    ``partition_acquired`` events are the token history, and commit timestamps
    (``track_commit_timestamp``) order each write against it.  A write committed
    after a newer token's acquisition is a **stale write committed**.
+7. hot rows (``accounts``): each account's balance is the sum of the amounts of
+   the effects applied to it, so no handler's update was lost, doubled or left
+   behind by a batch that rolled back.
 
 For a task run: each business key's job effect exists once, twice for the key
 of the forced rerun, whose run is in ``events`` as forced; every effect was
@@ -39,11 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiokafka
+import orjson
 from aiokafka.structs import TopicPartition
 
 from tests.chaos import scenarios
 
 EXAMPLES = 5
+MAX_ATTEMPTS = 3
+"""The consumer's ``max_attempts`` (its default, which the children keep)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class Record:
     value: bytes
     headers: tuple[tuple[str, bytes], ...]
     kind: str
-    """plain, conflict, bad_json, no_key or explode (see :func:`scenarios.classify`)."""
+    """plain, conflict, bad_json, no_key, explode or hang (see :func:`scenarios.classify`)."""
     ident: str | None
     """Its idempotency key, when it has one."""
 
@@ -204,8 +213,9 @@ async def check_consumer_run(
     group: str,
     topic: str,
     passes: int,
+    accounts: bool = False,
 ) -> Verdict:
-    """Checks 1-6 of the module docstring."""
+    """Checks 1-6 of the module docstring, and 7 with ``accounts``."""
     v = Verdict()
     by_key: dict[str, list[Record]] = defaultdict(list)
     for r in records:
@@ -262,7 +272,7 @@ async def check_consumer_run(
 
     # 4. dead letters: exactly the poison, whole
     dead = await conn.fetch(
-        'SELECT "partition", "offset", key, value, header_names, header_values, reason'
+        'SELECT "partition", "offset", key, value, header_names, header_values, reason, error'
         " FROM dedup.dead_letters WHERE topic = $1",
         topic,
     )
@@ -278,6 +288,7 @@ async def check_consumer_run(
         "bad_json": "no idempotency key",
         "no_key": "no idempotency key",
         "explode": "handler failed",
+        "hang": "handler failed",
     }
     damaged: list[tuple[Any, ...]] = []
     for at, d in found.items():
@@ -289,7 +300,17 @@ async def check_consumer_run(
             damaged.append((at, "record differs"))
         elif not d["reason"].startswith(reasons[sent.kind]):
             damaged.append((at, sent.kind, d["reason"][:60]))
+        elif sent.kind == "hang" and "handler_timeout" not in (d["error"] or ""):
+            damaged.append((at, sent.kind, (d["error"] or "")[:60]))
     v.fail("dead letters without their whole record or with a wrong reason", damaged)
+    hung = [at for at, r in poison.items() if r.kind == "hang"]
+    if hung:
+        tries = Counter(
+            (h["partition"], h["offset"])
+            for h in await conn.fetch('SELECT "partition", "offset" FROM chaos_hangs')
+        )
+        few = [(at, tries[at]) for at in sorted(hung) if tries[at] < MAX_ATTEMPTS]
+        v.fail("hung records not cancelled and retried max_attempts times (at, tries)", few)
 
     # 5. offsets
     ends: dict[int, int] = defaultdict(int)
@@ -343,6 +364,22 @@ async def check_consumer_run(
         "SELECT count(*) FROM dedup.events WHERE kind = 'stale_rejected' AND namespace = $1",
         group,
     )
+
+    # 7. hot rows
+    if accounts:
+        expected: Counter[int] = Counter()
+        for e in effects:
+            copy = position.get((e["partition"], e["offset"]))
+            if copy is not None and copy.kind == "plain":
+                body = orjson.loads(copy.value)
+                expected[body["account"]] += body["amount"]
+        balances = await conn.fetch("SELECT account, balance FROM chaos_accounts ORDER BY 1")
+        off = [
+            (b["account"], b["balance"], expected[b["account"]])
+            for b in balances
+            if b["balance"] != expected[b["account"]]
+        ]
+        v.fail("balances that are not the sum of their applied effects (account, is, sum)", off)
     return v
 
 

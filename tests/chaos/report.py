@@ -35,6 +35,8 @@ class Result:
     """Writes that committed under a token that was no longer current: must be 0."""
     duplicates: int = 0
     """Copies suppressed (processed.duplicates)."""
+    deadlocks: int = 0
+    """Deadlocks Postgres broke in the run's database (each rolled a transaction back)."""
     recoveries: list[float] = field(default_factory=list)
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
@@ -52,7 +54,7 @@ class Result:
             + f": runs=1 messages={self.messages} faults={self.faults} lost={self.lost}"
             f" doubled={self.doubled} dead-lettered={self.dead_lettered}"
             f" stale-refused={self.stale_refused} stale-committed={self.stale_committed}"
-            f" duplicates-suppressed={self.duplicates}"
+            f" duplicates-suppressed={self.duplicates} deadlocks={self.deadlocks}"
             f" worst-recovery={'-' if worst is None else f'{worst:.1f}s'}"
             f" violations={len(self.violations)} time={self.seconds:.0f}s"
         )
@@ -73,8 +75,8 @@ def table(results: list[Result]) -> str:
     rows = [
         "| scenario | runs (seeds) | messages | faults | lost | doubled | dead-lettered "
         "| stale writes refused | stale writes committed | duplicates suppressed "
-        "| worst recovery |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| deadlocks | worst recovery |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in order:
         runs = by[name]
@@ -85,6 +87,7 @@ def table(results: list[Result]) -> str:
             f" | {sum(r.lost for r in runs)} | {sum(r.doubled for r in runs)}"
             f" | {sum(r.dead_lettered for r in runs)} | {sum(r.stale_refused for r in runs)}"
             f" | {sum(r.stale_committed for r in runs)} | {sum(r.duplicates for r in runs)}"
+            f" | {sum(r.deadlocks for r in runs)}"
             f" | {f'{max(worst):.1f} s' if worst else '-'} |"
         )
     return "\n".join(rows)

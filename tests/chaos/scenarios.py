@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import orjson
 
 MATRICES = ("tiny", "short", "full")
+ACCOUNTS = 10
+"""The hot rows of the ``hot_rows`` scenario: account balances every partition updates."""
 SEEDS = {"tiny": [1], "short": [1], "full": [11, 12, 13]}
 
 
@@ -101,6 +103,8 @@ class ConsumerOptions:
     idle_timeout_ms: int = 4000
     hold: float = 0.0
     """Seconds each batch's transaction stays open after its writes."""
+    handler: str = "plain"
+    """What the handler does besides its effect row (see :mod:`tests.chaos.consumer_child`)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class Traffic:
     """The same record sent twice in a row (a producer retry)."""
     later_duplicates: float = 0.0
     """An earlier record sent again later, half of them to another partition."""
+    accounts: bool = False
+    """Each plain record names one of the ACCOUNTS accounts its amount goes to."""
 
 
 Schedule = Callable[[random.Random, Size], list[Fault]]
@@ -210,6 +216,27 @@ def replay_schedule(rng: random.Random, size: Size) -> list[Fault]:
     return [*kills, replay]
 
 
+def hot_rows_schedule(rng: random.Random, size: Size) -> list[Fault]:
+    """A pause inside a batch (its hot rows stay locked until the server cuts its session
+    off), and kills before and after the commit."""
+    kinds = _balanced(
+        rng, ["pause_in_batch", "kill_before_commit", "kill_after_commit"], size.faults
+    )
+    return [
+        Fault(at, kind, pick=rng.random(), wait=rng.uniform(0.1, 1.0))
+        for at, kind in zip(_spread(rng, size.faults, 1.0, 2.0), kinds, strict=True)
+    ]
+
+
+def hang_schedule(rng: random.Random, size: Size) -> list[Fault]:
+    """Records whose handler hangs, each to a seeded partition; every third fault a kill."""
+    kinds = ["kill_before_commit" if i % 3 == 2 else "hang" for i in range(size.faults)]
+    return [
+        Fault(at, kind, pick=rng.random(), wait=rng.uniform(0.1, 1.0))
+        for at, kind in zip(_spread(rng, size.faults, 1.0, 1.5), kinds, strict=True)
+    ]
+
+
 def tasks_schedule(rng: random.Random, size: Size) -> list[Fault]:
     """One fault per business key (kill, pause while working, pause with the write in flight),
     then a forced rerun of one key; ``pick`` chooses among the runners working on it."""
@@ -301,6 +328,31 @@ SCENARIOS: dict[str, Scenario] = {
             traffic=Traffic(producer_duplicates=0.1, later_duplicates=0.05),
         ),
         Scenario(
+            "hot_rows",
+            "handlers update a few shared rows in offset order, unsorted, so lanes deadlock; "
+            "kills and a pause",
+            {
+                "tiny": Size(messages=200, faults=1, rate=80),
+                "short": Size(messages=300, faults=1, rate=100),
+                "full": Size(messages=2000, faults=6, partitions=4, consumers=3, rate=120),
+            },
+            hot_rows_schedule,
+            options=ConsumerOptions(handler="hot-rows"),
+            traffic=Traffic(accounts=True),
+        ),
+        Scenario(
+            "hang",
+            "handlers that hang forever on some records, past handler_timeout; kills",
+            {
+                "tiny": Size(messages=200, faults=1, partitions=4, rate=80),
+                "short": Size(messages=300, faults=2, partitions=4, rate=100),
+                "full": Size(messages=1500, faults=6, partitions=6, consumers=3, rate=120),
+            },
+            hang_schedule,
+            # handler_timeout is derived: 2.5 s idle timeout - the 2 s margin = 0.5 s.
+            options=ConsumerOptions(handler="hang", idle_timeout_ms=2500),
+        ),
+        Scenario(
             "tasks",
             "task runners killed and paused mid-job while others race; a forced rerun",
             {
@@ -369,7 +421,9 @@ class Messages:
             return [Send(old.key, old.value, (*old.headers, seq), other)]
         roll -= t.later_duplicates
         key = f"k{i}"
-        body = {"id": key, "n": i, "amount": rng.randint(1, 100_000)}
+        body: dict[str, object] = {"id": key, "n": i, "amount": rng.randint(1, 100_000)}
+        if t.accounts:
+            body["account"] = rng.randrange(ACCOUNTS)
         send = Send(key.encode(), orjson.dumps(body), (seq, ("chaos-kind", b"plain")))
         self._sent.append(send)
         if roll < t.producer_duplicates:
@@ -391,6 +445,13 @@ class Messages:
         return Send(f"p{i}".encode(), orjson.dumps({"id": f"p{i}", "explode": True}), headers)
 
 
+def hang_record(index: int, partition: int) -> Send:
+    """The record of the ``index``-th fault, a ``hang``: its handler awaits forever."""
+    key = f"h{index}"
+    body = {"id": key, "hang": True}
+    return Send(key.encode(), orjson.dumps(body), (("chaos-kind", b"hang"),), partition)
+
+
 def classify(value: bytes) -> tuple[str, str | None]:
     """(kind, idempotency key) of a record as the consumer will see it."""
     try:
@@ -401,6 +462,8 @@ def classify(value: bytes) -> tuple[str, str | None]:
         return "no_key", None
     if doc.get("explode"):
         return "explode", str(doc["id"])
+    if doc.get("hang"):
+        return "hang", str(doc["id"])
     if doc.get("conflict"):
         return "conflict", str(doc["id"])
     return "plain", str(doc["id"])
