@@ -8,6 +8,13 @@ batch that lost runs again *alone*, with no other lane's transaction open, and
 the lanes then stay one at a time for a cool-down that doubles while deadlocks
 keep coming.  A hot-row workload so costs at most one retry per deadlocked
 batch, and never storms.
+
+Several consumers of one group deadlock each other the same way, and no lane
+of one process can wait for another process's.  So while the lanes run one at
+a time, each batch transaction first takes the group's advisory lock
+(``serialize_group`` in dedup/queries.sql): the consumers that deadlocked take
+turns across the group too, instead of deadlocking again whenever two of their
+batches overlap.
 """
 
 from __future__ import annotations
