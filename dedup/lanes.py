@@ -17,6 +17,13 @@ transaction on a shared lane waits at most :data:`LOCK_WAIT` for a row lock
 statement); past it the batch is handled as if it had deadlocked (see
 :func:`contended`).  A lane lent alone, or while the lanes run one at a time,
 waits as long as the session's own ``lock_timeout`` says.
+
+Several consumers of one group deadlock each other the same way, and no lane
+of one process can wait for another process's.  So while the lanes run one at
+a time, each batch transaction first takes the group's advisory lock
+(``serialize_group`` in dedup/queries.sql): the consumers that deadlocked take
+turns across the group too, instead of deadlocking again whenever two of their
+batches overlap.
 """
 
 from __future__ import annotations

@@ -31,6 +31,15 @@ SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
   JOIN unnest($2::text[], $3::int[]) AS x(t, part) ON p.topic = x.t AND p."partition" = x.part
  WHERE p.group_id = $1
 
+-- name: serialize_group
+-- After a deadlock a consumer runs one batch transaction at a time (dedup/lanes.py).
+-- Each such transaction first takes the group's transaction-scoped advisory
+-- lock, so the consumers of a group that all deadlocked on hot rows run their
+-- batches one at a time across processes too, instead of deadlocking again
+-- each time two of them overlap.  Taken before any row lock, it can't be part
+-- of a deadlock itself.  $1 group.
+SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext($1))
+
 -- name: advance_partition
 -- Move the offset past records the consumer was never handed (transaction
 -- markers, records of aborted transactions, compacted gaps) under the batch's

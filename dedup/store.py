@@ -167,6 +167,10 @@ class Store:
             for r in rows
         }
 
+    async def serialize(self, conn: asyncpg.Connection, group_id: str) -> None:
+        """Wait, inside the open transaction, until no other serial batch of the group runs."""
+        await conn.execute(self.queries.serialize_group, group_id)
+
     async def advance(
         self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, next_offset: int
     ) -> None:

@@ -435,6 +435,9 @@ class PartitionWorker:
                 },
             ):
                 async with conn.transaction():
+                    if self._lanes.serial:
+                        # Deadlocked lately: one transaction at a time in the group too.
+                        await self._s.store.serialize(conn, self._s.group_id)
                     result = await self._s.store.apply(
                         conn,
                         msgs,
