@@ -624,7 +624,9 @@ class IdempotentConsumer:
                 return
         for tp, owner in self._workers.items():
             found = stored.get((tp.topic, tp.partition))
-            if found is not None and found.token > owner.token:  # tokens only grow
+            # Tokens only grow.  A worker with a batch in flight finds out from
+            # its fence, which refuses the write and records it (stale_rejected).
+            if found is not None and found.token > owner.token and not owner.busy:
                 owner.taken_over(found)
 
     # ------------------------------------------------------------ ownership --
