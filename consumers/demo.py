@@ -140,7 +140,7 @@ class Processes:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "dedup.cli",
+            "dedup",
             *args,
             env=self.env,
             stdout=log,
@@ -168,7 +168,7 @@ async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "dedup.cli",
+        "dedup",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,

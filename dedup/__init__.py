@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.metadata
 
 from dedup import keys
-from dedup.consumer import IdempotentConsumer, claim, wrap
-from dedup.errors import (
+from dedup._consumer import IdempotentConsumer, claim, wrap
+from dedup._errors import (
     ConfigurationError,
     DedupError,
     HandlerError,
@@ -21,13 +21,13 @@ from dedup.errors import (
     StaleTokenError,
     UndecodableBatchError,
 )
-from dedup.leases import Lease, Leases
-from dedup.message import ClaimResult, Message, Outcome, Tx
-from dedup.migrations import migrate
-from dedup.reconciliation import Check as ReconcileCheck
-from dedup.reconciliation import Report as ReconcileReport
-from dedup.reconciliation import reconcile
-from dedup.tasks import TaskOutcome, TaskRun, TaskRunner
+from dedup._leases import Lease, Leases
+from dedup._message import ClaimResult, Message, Outcome, Tx
+from dedup._migrations import migrate
+from dedup._reconciliation import Check as ReconcileCheck
+from dedup._reconciliation import Report as ReconcileReport
+from dedup._reconciliation import reconcile
+from dedup._tasks import TaskOutcome, TaskRun, TaskRunner
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
 _DISTRIBUTION = "dedup-kafka"

@@ -30,8 +30,8 @@ from typing import Any
 
 import orjson
 
-from dedup import errors
-from dedup import message as message_
+from dedup import _errors as errors
+from dedup import _message as message_
 
 Strategy = Callable[[message_.Message], "str | None"]
 

@@ -43,7 +43,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import conninfo, db
+from dedup import _conninfo as conninfo
+from dedup import _db as db
 
 ROOT = Path(__file__).resolve().parent.parent
 HOW_TO_START = (

@@ -54,8 +54,10 @@ from typing import Any
 import orjson
 
 import dedup
-from dedup import consumer as consumer_
-from dedup import db, store, worker
+from dedup import _consumer as consumer_
+from dedup import _db as db
+from dedup import _store as store
+from dedup import _worker as worker
 from tests.chaos import scenarios
 
 EFFECTS = f"""

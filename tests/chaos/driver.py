@@ -54,7 +54,7 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
-from dedup import db
+from dedup import _db as db
 from tests import helpers
 from tests.chaos import oracle, report, scenarios
 from tests.chaos.children import Child

@@ -27,7 +27,7 @@ def _cli(
     """The argv and environment of ``python -m dedup.cli ARGS``."""
     full_env = {k: v for k, v in os.environ.items() if k != "DEDUP_DSN"}
     full_env.update(env or {})
-    argv = [sys.executable, "-m", "dedup.cli", *args]
+    argv = [sys.executable, "-m", "dedup", *args]
     if dsn is not None:
         argv += ["--dsn", dsn]
     return argv, full_env

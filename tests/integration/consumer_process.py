@@ -20,7 +20,7 @@ import sys
 import orjson
 
 import dedup
-from dedup import db
+from dedup import _db as db
 from tests.integration import consumer_support as support
 
 
@@ -62,7 +62,7 @@ async def main(args: argparse.Namespace) -> None:
         # The server cuts a paused process's session after --idle-timeout-ms; the
         # handler's deadline stays inside it.
         handler_timeout=args.handler_timeout
-        or max(args.idle_timeout_ms / 1000 - dedup.consumer.IDLE_MARGIN, 0.5),
+        or max(args.idle_timeout_ms / 1000 - dedup._consumer.IDLE_MARGIN, 0.5),
     )
     say(f"READY {consumer.holder}")
     try:

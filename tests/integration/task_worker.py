@@ -2,7 +2,7 @@
 
     python -m tests.integration.task_worker [--clock-offset S] [--ready F --go F] -- ARGS...
 
-runs ``dedup ARGS...`` (``dedup.cli.main``) and exits with its code.
+runs ``dedup ARGS...`` (``dedup._cli.main``) and exits with its code.
 
 ``--clock-offset S`` shifts this process's wall clock by S seconds *before*
 dedup, asyncpg or the job module is imported: ``time.time``, ``time.time_ns``,

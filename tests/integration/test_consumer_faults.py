@@ -19,13 +19,14 @@ import pytest
 from asyncpg import transaction as asyncpg_transaction
 
 import dedup
-from dedup import db, store
+from dedup import _db as db
+from dedup import _store as store
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support
 from tests.integration.processes import started
 
-BATCH_SIZES = {"batch_size_1": 1, "batch_default": dedup.consumer.DEFAULT_BATCH_SIZE}
+BATCH_SIZES = {"batch_size_1": 1, "batch_default": dedup._consumer.DEFAULT_BATCH_SIZE}
 
 
 @pytest.fixture(params=list(BATCH_SIZES))

@@ -19,7 +19,8 @@ import pytest
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 
 import dedup
-from dedup import audit, db
+from dedup import _audit as audit
+from dedup import _db as db
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support

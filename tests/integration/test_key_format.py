@@ -19,7 +19,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 import dedup
-from dedup import cli, keys
+from dedup import _cli as cli
+from dedup import keys
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support

@@ -10,7 +10,8 @@ import asyncpg
 import pytest
 
 import dedup
-from dedup import lanes, store
+from dedup import _lanes as lanes
+from dedup import _store as store
 
 
 def one_message() -> dedup.Message:

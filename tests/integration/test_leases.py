@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import dedup
-from dedup import leases
+from dedup import _leases as leases
 from tests import helpers
 from tests.integration import task_jobs, task_worker
 

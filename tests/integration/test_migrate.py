@@ -34,7 +34,7 @@ async def test_concurrent_migrations_of_a_new_schema_apply_once(pool: Any) -> No
 
 def test_cli_migrate_exit_codes(dsn: str) -> None:
     ok = subprocess.run(
-        [sys.executable, "-m", "dedup.cli", "migrate", "--dsn", dsn, "--schema", "cli_s"],
+        [sys.executable, "-m", "dedup", "migrate", "--dsn", dsn, "--schema", "cli_s"],
         capture_output=True,
         text=True,
         check=False,
@@ -43,7 +43,7 @@ def test_cli_migrate_exit_codes(dsn: str) -> None:
     assert "applied dedup/0001_core.sql" in ok.stdout
 
     bad = subprocess.run(
-        [sys.executable, "-m", "dedup.cli", "migrate", "--dsn", dsn, "--schema", "Bad-Name"],
+        [sys.executable, "-m", "dedup", "migrate", "--dsn", dsn, "--schema", "Bad-Name"],
         capture_output=True,
         text=True,
         check=False,
@@ -111,7 +111,7 @@ async def catalog(dsn: str, schema_name: str) -> dict[str, list[tuple[str, ...]]
 def dedup_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``python -m dedup.cli ARGS``, its output as text, never a traceback."""
     done = subprocess.run(
-        [sys.executable, "-m", "dedup.cli", *args],
+        [sys.executable, "-m", "dedup", *args],
         capture_output=True,
         text=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("DEDUP_")}, **env},

@@ -189,7 +189,7 @@ async def test_purging_a_million_old_keys_keeps_the_consumer_above_half_speed(
         )
         before = await _rate(processed, lambda: asyncio.sleep(4))
         purge = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dedup.cli", "purge", "--older-than", "30d", "--dsn", dsn,
+            sys.executable, "-m", "dedup", "purge", "--older-than", "30d", "--dsn", dsn,
             "--format", "json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         during = await _rate(processed, purge.communicate)

@@ -21,7 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from consumers import payments, statements
-from dedup import cli, reconciliation
+from dedup import _cli as cli
+from dedup import _reconciliation as reconciliation
 from tests.integration import service_support
 from tests.integration.test_service_statements import DAY, ledger
 from tests.integration.test_tracing import counter_totals

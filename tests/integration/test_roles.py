@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 import dedup
-from dedup import schema
+from dedup import _schema as schema
 from tests import helpers
 from tests.conftest import LoginAs, Topics
 from tests.integration import consumer_support as support

@@ -31,7 +31,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import cli
+from dedup import _cli as cli
 from tests import helpers
 from tests.conftest import LoginAs, Topics
 from tests.integration import consumer_support as support
@@ -266,7 +266,7 @@ def test_the_dedup_command_never_shows_the_password(login: Login) -> None:
         (["audit", "--key", "k", "--dsn", login.dsn(database=f"{login.database}_gone")], 2),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "dedup.cli", *args],
+            [sys.executable, "-m", "dedup", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -418,7 +418,7 @@ async def test_a_run_is_a_span_with_every_transition_as_an_event(
 )
 def test_bad_usage_exits_2(dsn: str, args: list[str], says: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "dedup.cli", "task", "run", *args, "--dsn", dsn],
+        [sys.executable, "-m", "dedup", "task", "run", *args, "--dsn", dsn],
         capture_output=True,
         text=True,
         check=False,

@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import telemetry
+from dedup import _telemetry as telemetry
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support

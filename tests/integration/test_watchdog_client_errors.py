@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 import dedup
-from dedup import leases
+from dedup import _leases as leases
 
 
 async def test_a_client_error_during_renewal_loses_the_lease_cleanly(

@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from dedup import errors, guard, lanes
+from dedup import _errors as errors
+from dedup import _guard as guard
+from dedup import _lanes as lanes
 
 
 @pytest.mark.parametrize(

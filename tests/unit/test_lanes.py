@@ -7,7 +7,7 @@ import types
 import asyncpg
 import pytest
 
-from dedup import lanes
+from dedup import _lanes as lanes
 
 
 def test_a_deadlock_or_a_lock_wait_on_a_shared_lane_means_contention() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import pkgutil
 import tomllib
 
 import pytest
 
 import dedup
-from dedup import cli
+from dedup import _cli as cli
 from tests.conftest import ROOT
 
 CONTRACT = {
@@ -65,7 +66,7 @@ def test_consumer_signature_of_the_contract() -> None:
         "install_signal_handlers",
     ):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-    assert dedup.consumer.DEFAULT_BATCH_SIZE == 500
+    assert dedup._consumer.DEFAULT_BATCH_SIZE == 500
 
 
 def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,3 +76,14 @@ def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[st
         cli.main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out == f"dedup (dedup-kafka) {version}\n"
+
+
+def test_modules_other_than_keys_are_private() -> None:
+    # The face is `dedup` itself (and `dedup.keys`, documented as a module):
+    # everything else is free to change shape without breaking a user.
+    public = sorted(
+        m.name
+        for m in pkgutil.iter_modules(dedup.__path__)
+        if not m.name.startswith("_") and m.name != "keys"
+    )
+    assert public == []

@@ -8,7 +8,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from dedup import db, errors, migrations, schema
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _migrations as migrations
+from dedup import _schema as schema
 
 
 @pytest.mark.parametrize("name", ["dedup", "tenant_7", "_x"])

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dedup import telemetry
+from dedup import _telemetry as telemetry
 
 
 def traceparent(n: int) -> tuple[str, bytes]:

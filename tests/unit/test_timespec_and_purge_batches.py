@@ -6,7 +6,8 @@ import datetime
 
 import pytest
 
-from dedup import retention, timespec
+from dedup import _retention as retention
+from dedup import _timespec as timespec
 
 UTC = datetime.UTC
 

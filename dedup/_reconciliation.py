@@ -41,7 +41,12 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import db, errors, events, schema, tasks, telemetry
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _schema as schema
+from dedup import _tasks as tasks
+from dedup import _telemetry as telemetry
 
 ENTRY_POINT_GROUP = "dedup.reconcile"
 """Entry points of installed packages: name = task code, value = a ``RECONCILE`` declaration."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors
+from dedup import _errors as errors
 
 
 async def in_transaction(conn: Any, what: str) -> asyncpg.Connection:

@@ -6,7 +6,7 @@ missing from the environment, corrupt bytes, a header name that is not UTF-8.
 aiokafka then raises from ``getmany`` without saying which partition; the
 frame that was unpacking the batch knows, so the error is located from the
 traceback when it can be.  The consumer stops with an
-:class:`dedup.errors.UndecodableBatchError` that names the partition, its
+:class:`dedup.UndecodableBatchError` that names the partition, its
 fetch position, and what to do.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
-from dedup import errors
+from dedup import _errors as errors
 
 ERRORS = (aiokafka.errors.UnsupportedCodecError, aiokafka.errors.CorruptRecordException)
 """What aiokafka raises for a batch it cannot read, wherever it is raised from."""

@@ -34,7 +34,12 @@ import aiokafka.errors
 import asyncpg
 from aiokafka.structs import TopicPartition
 
-from dedup import db, errors, events, report, schema, timespec
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _report as report
+from dedup import _schema as schema
+from dedup import _timespec as timespec
 
 OPERATOR_PREFIX = "dedup offsets "
 """How the holder of a partition moved by this command starts."""
@@ -73,7 +78,7 @@ MOVE_COLUMNS = (
     report.Column("kafka_committed"),
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.offsets")
 
 
 def operator_holder(action: str, who: str) -> str:

@@ -35,9 +35,15 @@ import asyncpg
 import orjson
 from opentelemetry import trace
 
-from dedup import db, errors, events, leases, migrations, schema, telemetry
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _leases as leases
+from dedup import _migrations as migrations
+from dedup import _schema as schema
+from dedup import _telemetry as telemetry
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.tasks")
 
 Status = Literal["succeeded", "failed", "skipped_done", "skipped_running"]
 

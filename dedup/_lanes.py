@@ -21,7 +21,7 @@ waits as long as the session's own ``lock_timeout`` says.
 Several consumers of one group deadlock each other the same way, and no lane
 of one process can wait for another process's.  So while the lanes run one at
 a time, each batch transaction first takes the group's advisory lock
-(``serialize_group`` in dedup/queries.sql): the consumers that deadlocked take
+(``serialize_group`` in the named queries): the consumers that deadlocked take
 turns across the group too, instead of deadlocking again whenever two of their
 batches overlap.
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import asyncpg
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.lanes")
 
 SERIAL_COOLDOWN = 30.0
 """Seconds the lanes run one at a time after a deadlock (doubling, up to MAX_SERIAL_COOLDOWN)."""

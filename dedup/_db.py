@@ -11,7 +11,8 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import conninfo, errors
+from dedup import _conninfo as conninfo
+from dedup import _errors as errors
 
 # SQLSTATE classes and codes after which the same transaction can succeed when
 # tried again: connection exceptions (08), serialization failure (40001),
@@ -138,8 +139,8 @@ def connect_error(dsn: str, exc: BaseException) -> errors.DedupError:
     """The error to raise when connecting with ``dsn`` failed with ``exc``; no secret in it.
 
     A DSN that cannot be read, a failed authentication or a database that
-    does not exist is a :class:`~dedup.errors.ConfigurationError`; anything
-    else (refused, unknown host, timeout) a :class:`~dedup.errors.ServiceUnavailableError`.
+    does not exist is a :class:`~dedup.ConfigurationError`; anything
+    else (refused, unknown host, timeout) a :class:`~dedup.ServiceUnavailableError`.
     """
     shown = describe_dsn(dsn)
     reason = conninfo.scrub(str(exc) or type(exc).__name__, dsn)

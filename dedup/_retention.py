@@ -49,9 +49,13 @@ from typing import Any
 
 import asyncpg
 
-from dedup import db, errors, report, schema, timespec
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _report as report
+from dedup import _schema as schema
+from dedup import _timespec as timespec
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.retention")
 
 DEFAULT_BATCH_SIZE = 5000
 DEFAULT_PAUSE = 0.05

@@ -33,10 +33,17 @@ from typing import Any
 import asyncpg
 from aiokafka.structs import TopicPartition
 
-from dedup import db, errors, events, keys, lanes, offsets, store, telemetry
-from dedup import message as message_
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _lanes as lanes
+from dedup import _message as message_
+from dedup import _offsets as offsets
+from dedup import _store as store
+from dedup import _telemetry as telemetry
+from dedup import keys
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.worker")
 
 MAX_BACKOFF = 5.0
 MIN_QUEUED = 64

@@ -29,20 +29,18 @@ import asyncpg
 import orjson
 
 import dedup
-from dedup import (
-    audit,
-    db,
-    dead_letters,
-    errors,
-    migrations,
-    offsets,
-    reconciliation,
-    report,
-    retention,
-    schema,
-    tasks,
-    timespec,
-)
+from dedup import _audit as audit
+from dedup import _db as db
+from dedup import _dead_letters as dead_letters
+from dedup import _errors as errors
+from dedup import _migrations as migrations
+from dedup import _offsets as offsets
+from dedup import _reconciliation as reconciliation
+from dedup import _report as report
+from dedup import _retention as retention
+from dedup import _schema as schema
+from dedup import _tasks as tasks
+from dedup import _timespec as timespec
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 

@@ -31,9 +31,13 @@ from typing import Any
 
 import asyncpg
 
-from dedup import db, errors, events, schema, telemetry
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _schema as schema
+from dedup import _telemetry as telemetry
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.leases")
 
 DEFAULT_RENEW_FRACTION = 1 / 3
 """A watchdog renews after this fraction of the TTL, leaving two more tries before expiry."""

@@ -20,7 +20,11 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import errors, keys, report, schema, timespec
+from dedup import _errors as errors
+from dedup import _report as report
+from dedup import _schema as schema
+from dedup import _timespec as timespec
+from dedup import keys
 
 DEFAULT_LIMIT = 1000
 

@@ -14,7 +14,8 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import schema, telemetry
+from dedup import _schema as schema
+from dedup import _telemetry as telemetry
 
 _INSERT = """
 INSERT INTO {schema}.events

@@ -22,7 +22,12 @@ import aiokafka
 import aiokafka.errors
 import asyncpg
 
-from dedup import audit, errors, events, report, schema, timespec
+from dedup import _audit as audit
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _report as report
+from dedup import _schema as schema
+from dedup import _timespec as timespec
 
 KAFKA_TIMEOUT_MS = 5000
 

@@ -12,7 +12,7 @@ import importlib.resources
 import re
 from pathlib import Path
 
-from dedup import errors
+from dedup import _errors as errors
 
 DEFAULT_SCHEMA = "dedup"
 

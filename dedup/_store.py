@@ -24,10 +24,14 @@ from typing import Any, NamedTuple
 
 import asyncpg
 
-from dedup import errors, events, guard, schema, telemetry
-from dedup import message as message_
+from dedup import _errors as errors
+from dedup import _events as events
+from dedup import _guard as guard
+from dedup import _message as message_
+from dedup import _schema as schema
+from dedup import _telemetry as telemetry
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.store")
 
 MessageHandler = Callable[[message_.Message, message_.Tx], Awaitable[object]]
 BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]]

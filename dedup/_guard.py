@@ -19,7 +19,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup import errors
+from dedup import _errors as errors
 
 _ENDS_TRANSACTION = re.compile(
     r"(commit|end|abort|prepare\s+transaction|rollback(?!\s+to\b))\b", re.IGNORECASE

@@ -27,9 +27,11 @@ from typing import Any
 
 import asyncpg
 
-from dedup import db, errors, schema
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _schema as schema
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.migrations")
 
 _FILE = re.compile(r"(\d{4})_(\w+)\.sql")
 

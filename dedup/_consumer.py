@@ -48,10 +48,19 @@ import aiokafka
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
-from dedup import db, decoding, drivers, errors, keys, lanes, migrations, store, telemetry, worker
-from dedup import message as message_
+from dedup import _db as db
+from dedup import _decoding as decoding
+from dedup import _drivers as drivers
+from dedup import _errors as errors
+from dedup import _lanes as lanes
+from dedup import _message as message_
+from dedup import _migrations as migrations
+from dedup import _store as store
+from dedup import _telemetry as telemetry
+from dedup import _worker as worker
+from dedup import keys
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.consumer")
 
 DEFAULT_BATCH_SIZE = 500
 DEFAULT_CONCURRENCY = 4

@@ -24,7 +24,7 @@ from typing import Any
 
 from opentelemetry import context, metrics, propagate, trace
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dedup.telemetry")
 
 INSTRUMENTATION = "dedup"
 
