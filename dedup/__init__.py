@@ -66,3 +66,11 @@ __all__ = [
     "reconcile",
     "wrap",
 ]
+
+# Public names show as dedup.X in reprs and tracebacks (httpx does the same),
+# never as the private module they happen to live in.
+for _name in __all__:
+    _value = globals()[_name]
+    if _value is not keys:
+        _value.__module__ = "dedup"
+del _name, _value

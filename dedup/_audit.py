@@ -22,7 +22,7 @@ import orjson
 
 from dedup import _errors as errors
 from dedup import _report as report
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _timespec as timespec
 from dedup import keys
 
@@ -104,7 +104,7 @@ class Window:
     async def resolve(
         cls,
         conn: asyncpg.Connection,
-        queries: schema.Queries,
+        queries: sql.Queries,
         since: timespec.TimeSpec | None,
         until: timespec.TimeSpec | None,
     ) -> Window:
@@ -199,7 +199,7 @@ class AuditQuery:
 async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> report.Report:
     """The claimed keys and dead letters matching ``q``."""
     q.check()
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     window = await Window.resolve(conn, queries, q.since, q.until)
     statuses = set(q.statuses or STATUSES)
     where = (q.topic, q.partition, q.offset, window.since, window.until)
@@ -286,7 +286,7 @@ class EventsQuery:
 async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> report.Report:
     """The events matching ``q``, oldest first."""
     q.check()
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     window = await Window.resolve(conn, queries, q.since, q.until)
     namespace = q.task if q.task is not None else q.namespace
     namespaces = await _namespaces(conn, queries.events_namespaces, q.key, namespace)

@@ -38,7 +38,7 @@ from dedup import _offsets as offsets
 from dedup import _reconciliation as reconciliation
 from dedup import _report as report
 from dedup import _retention as retention
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _tasks as tasks
 from dedup import _timespec as timespec
 
@@ -60,7 +60,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schema",
-        default=schema.DEFAULT_SCHEMA,
+        default=sql.DEFAULT_SCHEMA,
         help="schema holding dedup's tables (default: %(default)s)",
     )
 
@@ -75,14 +75,14 @@ def _dsn(args: argparse.Namespace) -> str:
 
 
 async def _migrate(args: argparse.Namespace) -> int:
-    schema.quote(args.schema)  # a bad name is bad usage, found before connecting
+    sql.quote(args.schema)  # a bad name is bad usage, found before connecting
     if args.all and not args.sql:
         raise errors.ConfigurationError("--all goes with --sql")
     if args.format != "table" and not args.status:
         raise errors.ConfigurationError("--format goes with --status")
     if args.sql:
         if args.all:
-            found = migrations.discover(schema.migrations_dir())
+            found = migrations.discover(sql.migrations_dir())
         else:
             found = await migrations.pending(_dsn(args), schema_name=args.schema)
         print(migrations.script(found, schema_name=args.schema), end="")
@@ -278,7 +278,7 @@ def _window(parser: argparse.ArgumentParser, what: str) -> None:
 
 @contextlib.asynccontextmanager
 async def _connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connection]:
-    schema.quote(args.schema)  # a bad name is bad usage, found before connecting
+    sql.quote(args.schema)  # a bad name is bad usage, found before connecting
     pool = await db.create_pool(_dsn(args), min_size=1, max_size=1, **POOL_OPTIONS)
     try:
         async with pool.acquire() as conn:

@@ -73,6 +73,46 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwarg
         raise connect_error(dsn, exc) from exc
 
 
+def require_one(dsn: str | None, pool: Any) -> None:
+    """Refuse anything but exactly one of ``dsn=`` and ``pool=``."""
+    if (dsn is None) == (pool is None):
+        raise errors.ConfigurationError("pass exactly one of dsn= or pool=")
+
+
+@contextlib.asynccontextmanager
+async def connection(target: Any) -> AsyncIterator[asyncpg.Connection]:
+    """A connection from a DSN (opened and closed here), a pool, or the connection given.
+
+    A DSN gets a connection without a statement cache (each statement runs
+    once anyway), so it works through a pooler in transaction mode too.
+    """
+    if isinstance(target, str):
+        conn = await connect(target, statement_cache_size=0)
+        try:
+            yield conn
+        finally:
+            await conn.close()
+    elif hasattr(target, "acquire"):
+        async with target.acquire() as conn:
+            yield conn
+    else:
+        yield target
+
+
+@contextlib.asynccontextmanager
+async def pool_for(dsn: str | None, pool: Any, **options: Any) -> AsyncIterator[Any]:
+    """The ``pool`` given, or one opened on ``dsn`` (with ``options``) and closed after."""
+    if pool is not None:
+        yield pool
+        return
+    assert dsn is not None  # noqa: S101 (require_one was called)
+    opened = await create_pool(dsn, **options)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
 async def connect(dsn: str, **kwargs: Any) -> asyncpg.Connection:
     """One connection (no codecs of dedup's), or the same errors as :func:`create_pool`."""
     try:

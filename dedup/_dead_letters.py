@@ -26,7 +26,7 @@ from dedup import _audit as audit
 from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _report as report
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _timespec as timespec
 
 KAFKA_TIMEOUT_MS = 5000
@@ -54,7 +54,7 @@ class ListQuery:
 
 async def list_(conn: asyncpg.Connection, schema_name: str, q: ListQuery) -> report.Report:
     """Dead letters matching ``q``, oldest first (without the record bytes: see :func:`show`)."""
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     window = await audit.Window.resolve(conn, queries, q.since, q.until)
     namespaces = [q.namespace] if q.namespace is not None else None
     records = await conn.fetch(
@@ -122,7 +122,7 @@ def _readable(value: bytes | None) -> str:
 
 async def show(conn: asyncpg.Connection, schema_name: str, dead_letter_id: int) -> report.Report:
     """One dead letter whole: the record's key, value and headers, and why it failed."""
-    record = await conn.fetchrow(schema.Queries(schema_name).dead_letter_record, dead_letter_id)
+    record = await conn.fetchrow(sql.Queries(schema_name).dead_letter_record, dead_letter_id)
     rows = [_whole(record)] if record else []
     section = report.Section("dead_letters", "dead letter", SHOW_COLUMNS, rows)
     if record:
@@ -207,7 +207,7 @@ async def _replay_one(
     holder: str,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Replay one dead letter; return (what was replayed, None) or (None, why not)."""
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     first = await conn.fetchrow(queries.dead_letter_record, dead_letter_id)
     if first is None:
         return None, "no dead letter with this id"

@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
 _INSERT = """
@@ -78,7 +78,7 @@ async def record(conn: asyncpg.Connection, schema_name: str, events: Sequence[Ev
         telemetry.transition(event.kind, event.span_attributes())
     trace_id = telemetry.current_trace_id()
     await conn.execute(
-        schema.render(_INSERT, schema_name),
+        sql.render(_INSERT, schema_name),
         [e.subject for e in events],
         [e.kind for e in events],
         [e.namespace for e in events],

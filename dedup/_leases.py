@@ -34,7 +34,7 @@ import asyncpg
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
 log = logging.getLogger("dedup.leases")
@@ -114,7 +114,7 @@ class Leases:
         self,
         pool: Any,
         *,
-        schema_name: str = schema.DEFAULT_SCHEMA,
+        schema_name: str = sql.DEFAULT_SCHEMA,
         transaction_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.pool = pool
@@ -123,7 +123,7 @@ class Leases:
         """The schema of the ``leases`` and ``events`` tables."""
         self.transaction_settings = dict(transaction_settings or {})
         """Postgres settings of the transactions opened here, e.g. a lock or idle timeout."""
-        self._q = schema.Queries(schema_name)
+        self._q = sql.Queries(schema_name)
 
     @contextlib.asynccontextmanager
     async def _conn(self, conn: asyncpg.Connection | None) -> AsyncIterator[asyncpg.Connection]:

@@ -16,11 +16,9 @@ know (a newer dedup's, which only add).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import re
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ import asyncpg
 
 from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _schema as schema
+from dedup import _sql as sql
 
 log = logging.getLogger("dedup.migrations")
 
@@ -83,7 +81,7 @@ class Migration:
 
     def sql(self, schema_name: str) -> str:
         """The file's SQL for ``schema_name``."""
-        return schema.render(self.path.read_text(encoding="utf-8"), schema_name)
+        return sql.render(self.path.read_text(encoding="utf-8"), schema_name)
 
 
 @dataclass(frozen=True)
@@ -116,30 +114,10 @@ def discover(directory: Path) -> list[Migration]:
     return found
 
 
-@contextlib.asynccontextmanager
-async def connection(dsn_or_pool: Any) -> AsyncIterator[asyncpg.Connection]:
-    """A connection from a DSN (opened and closed here), a pool, or the connection given.
-
-    A DSN gets a connection without a statement cache (each statement runs
-    once anyway), so it works through a pooler in transaction mode too.
-    """
-    if isinstance(dsn_or_pool, str):
-        conn = await db.connect(dsn_or_pool, statement_cache_size=0)
-        try:
-            yield conn
-        finally:
-            await conn.close()
-    elif isinstance(dsn_or_pool, asyncpg.Pool):
-        async with dsn_or_pool.acquire() as conn:
-            yield conn
-    else:
-        yield dsn_or_pool
-
-
 async def migrate(
     dsn_or_pool: Any,
     *,
-    schema_name: str = schema.DEFAULT_SCHEMA,
+    schema_name: str = sql.DEFAULT_SCHEMA,
     directory: Path | None = None,
     component: str = "dedup",
 ) -> list[str]:
@@ -151,9 +129,9 @@ async def migrate(
     A role that may not make the changes gets a ConfigurationError naming the
     role and what it needs.
     """
-    schema.quote(schema_name)  # fail fast, before connecting, on a bad name
-    shipped = discover(directory or schema.migrations_dir())
-    async with connection(dsn_or_pool) as conn:
+    sql.quote(schema_name)  # fail fast, before connecting, on a bad name
+    shipped = discover(directory or sql.migrations_dir())
+    async with db.connection(dsn_or_pool) as conn:
         try:
             return await _apply(conn, schema_name, shipped, component)
         except asyncpg.InsufficientPrivilegeError as exc:
@@ -176,7 +154,7 @@ async def _apply(
         if not pending:
             return []
         await conn.execute(_create_schema(schema_name))
-        await conn.execute(schema.render(_CREATE_TABLE, schema_name))
+        await conn.execute(sql.render(_CREATE_TABLE, schema_name))
         for migration in pending:
             try:
                 await conn.execute(migration.sql(schema_name))
@@ -187,7 +165,7 @@ async def _apply(
                     f"migration {migration.path.name} ({component}) failed: {exc}"
                 ) from exc
             await conn.execute(
-                schema.render(_RECORD, schema_name),
+                sql.render(_RECORD, schema_name),
                 component,
                 migration.version,
                 migration.name,
@@ -204,17 +182,17 @@ def lock_key(schema_name: str) -> str:
 
 async def _applied(conn: Any, schema_name: str) -> list[asyncpg.Record]:
     """The rows of ``{schema}.migrations``; none when the table does not exist."""
-    table = f"{schema.quote(schema_name)}.migrations"
+    table = f"{sql.quote(schema_name)}.migrations"
     if await conn.fetchval("SELECT to_regclass($1)", table) is None:
         return []
-    rows: list[asyncpg.Record] = await conn.fetch(schema.render(_APPLIED, schema_name))
+    rows: list[asyncpg.Record] = await conn.fetch(sql.render(_APPLIED, schema_name))
     return rows
 
 
 async def status(
     dsn_or_pool: Any,
     *,
-    schema_name: str = schema.DEFAULT_SCHEMA,
+    schema_name: str = sql.DEFAULT_SCHEMA,
     directory: Path | None = None,
     component: str = "dedup",
 ) -> list[Status]:
@@ -224,14 +202,14 @@ async def status(
     components (the bundled services) are listed as applied; ``component``'s
     migrations are applied, pending or newer (applied, not shipped here).
     """
-    schema.quote(schema_name)
-    shipped = discover(directory or schema.migrations_dir())
-    async with connection(dsn_or_pool) as conn:
+    sql.quote(schema_name)
+    shipped = discover(directory or sql.migrations_dir())
+    async with db.connection(dsn_or_pool) as conn:
         try:
             rows = await _applied(conn, schema_name)
         except asyncpg.InsufficientPrivilegeError as exc:
             raise errors.ConfigurationError(
-                f"{await _role(conn)} may not read {schema.quote(schema_name)}.migrations ({exc}): "
+                f"{await _role(conn)} may not read {sql.quote(schema_name)}.migrations ({exc}): "
                 "connect as a role granted dedup_runtime or dedup_audit "
                 "(docs/howto/audit-and-purge.md), or as the schema's owner"
             ) from exc
@@ -257,10 +235,10 @@ async def status(
 
 
 async def pending(
-    dsn_or_pool: Any, *, schema_name: str = schema.DEFAULT_SCHEMA, directory: Path | None = None
+    dsn_or_pool: Any, *, schema_name: str = sql.DEFAULT_SCHEMA, directory: Path | None = None
 ) -> list[Migration]:
     """The migrations this dedup ships that the schema lacks."""
-    shipped = discover(directory or schema.migrations_dir())
+    shipped = discover(directory or sql.migrations_dir())
     missing = {
         s.version
         for s in await status(dsn_or_pool, schema_name=schema_name, directory=directory)
@@ -274,13 +252,13 @@ def _literal(text: str) -> str:
 
 
 def _create_schema(schema_name: str) -> str:
-    return schema.render(_CREATE_SCHEMA, schema_name).replace("{name}", _literal(schema_name))
+    return sql.render(_CREATE_SCHEMA, schema_name).replace("{name}", _literal(schema_name))
 
 
 def script(
     migrations: list[Migration],
     *,
-    schema_name: str = schema.DEFAULT_SCHEMA,
+    schema_name: str = sql.DEFAULT_SCHEMA,
     component: str = "dedup",
 ) -> str:
     """The SQL that applies ``migrations`` to ``schema_name`` the way :func:`migrate` does.
@@ -289,7 +267,7 @@ def script(
     ``{schema}.migrations``, under the same advisory lock; meant to run in one
     transaction (``psql -1``, or a migration of alembic or flyway).
     """
-    quoted = schema.quote(schema_name)
+    quoted = sql.quote(schema_name)
     if not migrations:
         return f"-- {component} migrations for schema {quoted}: none pending\n"
     names = ", ".join(f"{m.version:04d}_{m.name}" for m in migrations)
@@ -304,7 +282,7 @@ def script(
         f"DO $lock$ BEGIN PERFORM pg_advisory_xact_lock(hashtext("
         f"{_literal(lock_key(schema_name))})); END $lock$;",
         _create_schema(schema_name) + ";",
-        schema.render(_CREATE_TABLE, schema_name) + ";",
+        sql.render(_CREATE_TABLE, schema_name) + ";",
     ]
     for m in migrations:
         # Text for a person or a tool to run, not a query of ours: the values are
@@ -321,7 +299,7 @@ def script(
 async def check(
     dsn_or_pool: Any,
     *,
-    schema_name: str = schema.DEFAULT_SCHEMA,
+    schema_name: str = sql.DEFAULT_SCHEMA,
     directory: Path | None = None,
 ) -> None:
     """Raise ConfigurationError unless every migration this dedup ships is applied.
@@ -358,7 +336,7 @@ async def _privilege_error(
     """What the role lacks, in words, after a migration was refused for want of a privilege."""
     facts = await conn.fetchrow(_PRIVILEGES, schema_name)
     role, database = facts["role"], facts["database"]
-    quoted = schema.quote(schema_name)
+    quoted = sql.quote(schema_name)
     if not facts["schema_exists"]:
         needs = (
             f'creating the schema needs CREATE on database "{database}" '

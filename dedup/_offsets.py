@@ -38,7 +38,7 @@ from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _report as report
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _timespec as timespec
 
 OPERATOR_PREFIX = "dedup offsets "
@@ -234,7 +234,7 @@ async def show(
     conn: asyncpg.Connection, schema_name: str, q: ShowQuery, kafka: Kafka | None
 ) -> report.Report:
     """The stored offsets of ``q``'s partitions, with Kafka's end offsets and lag when asked."""
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     records = await conn.fetch(queries.offsets_list, q.group, q.topic, q.limit + 1)
     rows = [report.json_row(r) for r in records[: q.limit]]
     columns: tuple[report.Column, ...] = SHOW_COLUMNS
@@ -363,7 +363,7 @@ async def move(
     partition's log or a move in the wrong direction (nothing is moved then).
     """
     m.check()
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     when = timespec.resolve(m.to_time, await conn.fetchval(queries.database_now))
     try:
         members = await kafka.members(m.group)
@@ -449,7 +449,7 @@ def _span(numbers: Sequence[int]) -> str:
 
 
 async def _lock(
-    conn: asyncpg.Connection, queries: schema.Queries, m: Move, targets: list[_Target]
+    conn: asyncpg.Connection, queries: sql.Queries, m: Move, targets: list[_Target]
 ) -> None:
     """Lock the partitions' rows, read where they stand and check the direction of the move."""
     try:

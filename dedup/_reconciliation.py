@@ -27,14 +27,13 @@ Checks are registered by task code (:class:`Registry`):
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import decimal
 import importlib
 import importlib.metadata
 import os
 import sys
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,7 +43,7 @@ import orjson
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _tasks as tasks
 from dedup import _telemetry as telemetry
 
@@ -251,7 +250,7 @@ async def reconcile(
     business_date: dt.date | str,
     *,
     registry: Registry | None = None,
-    schema_name: str = schema.DEFAULT_SCHEMA,
+    schema_name: str = sql.DEFAULT_SCHEMA,
     holder: str | None = None,
 ) -> Report:
     """Compare source and result of ``task`` for ``business_date``; record and return the report.
@@ -275,7 +274,7 @@ async def reconcile(
     with telemetry.tracer.start_as_current_span(
         f"reconcile {check.task}", attributes=attributes
     ) as span:
-        async with _connection(target) as conn, conn.transaction(isolation="repeatable_read"):
+        async with db.connection(target) as conn, conn.transaction(isolation="repeatable_read"):
             source = await _figures(conn, check, "source", day, schema_name)
             result = await _figures(conn, check, "result", day, schema_name)
             report = Report(
@@ -312,30 +311,12 @@ def _date(value: dt.date | str) -> dt.date:
         raise errors.ConfigurationError(str(exc)) from None
 
 
-@contextlib.asynccontextmanager
-async def _connection(target: Any) -> AsyncIterator[asyncpg.Connection]:
-    if isinstance(target, str):
-        # One check sends each query once: no statement cache, so a pooler in
-        # transaction mode (pgbouncer) works too.
-        pool = await db.create_pool(target, min_size=1, max_size=1, statement_cache_size=0)
-        try:
-            async with pool.acquire() as conn:
-                yield conn
-        finally:
-            await pool.close()
-    elif hasattr(target, "acquire"):
-        async with target.acquire() as conn:
-            yield conn
-    else:
-        yield target
-
-
 async def _figures(
     conn: asyncpg.Connection, check: Check, side: str, day: dt.date, schema_name: str
 ) -> Figures:
-    sql = schema.render(getattr(check, side), schema_name)
+    text = sql.render(getattr(check, side), schema_name)
     try:
-        row = await conn.fetchrow(sql, day)
+        row = await conn.fetchrow(text, day)
     except asyncpg.PostgresError as exc:
         if db.is_retriable(exc):
             raise

@@ -52,7 +52,7 @@ import asyncpg
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _report as report
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _timespec as timespec
 
 log = logging.getLogger("dedup.retention")
@@ -135,7 +135,7 @@ class PurgeResult:
     events: int | None = None
     """Events deleted (None: events kept)."""
     batches: int = 0
-    """DELETE transactions on ``processed``."""
+    """The DELETE transactions on ``processed``."""
     batches_skipped: int = 0
     """Batches given up after lock timeouts (their keys stay for the next purge)."""
     ranges_resummarized: int = 0
@@ -197,7 +197,7 @@ class _Purge:
         pause: float,
     ) -> None:
         self.conn = conn
-        self.queries = schema.Queries(schema_name)
+        self.queries = sql.Queries(schema_name)
         self.result = result
         self.batch_size = batch_size
         self.pause = pause
@@ -319,7 +319,7 @@ class _Purge:
 
 
 async def _check_privileges(
-    conn: asyncpg.Connection, queries: schema.Queries, *, events: bool
+    conn: asyncpg.Connection, queries: sql.Queries, *, events: bool
 ) -> None:
     may = await conn.fetchrow(queries.purge_privileges)
     if may["processed"] is None:  # to_regclass found no table
@@ -361,7 +361,7 @@ async def purge(
         raise errors.ConfigurationError(f"--batch-size {batch_size}: must be at least 1")
     if pause < 0:
         raise errors.ConfigurationError(f"--pause {pause}: must not be negative")
-    queries = schema.Queries(schema_name)
+    queries = sql.Queries(schema_name)
     now = await conn.fetchval(queries.database_now)
     cutoff = before if before is not None else now - older_than
     events_cutoff = now - events_older_than if events_older_than is not None else None

@@ -28,7 +28,7 @@ from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _guard as guard
 from dedup import _message as message_
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
 log = logging.getLogger("dedup.store")
@@ -113,7 +113,7 @@ class Store:
         self.schema_name = schema_name
         self.namespace = namespace
         self.conflict_policy = conflict_policy
-        self.queries = schema.Queries(schema_name)
+        self.queries = sql.Queries(schema_name)
 
     async def take_partitions(
         self,

@@ -40,7 +40,7 @@ from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _leases as leases
 from dedup import _migrations as migrations
-from dedup import _schema as schema
+from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
 log = logging.getLogger("dedup.tasks")
@@ -122,7 +122,7 @@ class TaskRun:
         self.lost: errors.StaleTokenError | None = None
         """Set when the lease was lost: stop writing."""
         self._leases = leases_
-        self._q = schema.Queries(leases_.schema_name)
+        self._q = sql.Queries(leases_.schema_name)
 
     @property
     def token(self) -> int:
@@ -291,7 +291,7 @@ class TaskRunner:
         dsn: str | None = None,
         pool: Any = None,
         holder: str | None = None,
-        schema_name: str = schema.DEFAULT_SCHEMA,
+        schema_name: str = sql.DEFAULT_SCHEMA,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         renew_fraction: float = leases.DEFAULT_RENEW_FRACTION,
         on_lease_lost: LeaseLostCallback | None = None,
@@ -309,7 +309,7 @@ class TaskRunner:
                 f"renew_fraction must be between 0 and 1 (a fraction of the ttl), "
                 f"not {renew_fraction}"
             )
-        schema.quote(schema_name)
+        sql.quote(schema_name)
         self.dsn = dsn
         self.holder = holder or default_holder()
         """This runner's name in leases and events."""
@@ -323,7 +323,7 @@ class TaskRunner:
         self._pool = pool
         self._owns_pool = False
         self._schema_checked = False
-        self._q = schema.Queries(schema_name)
+        self._q = sql.Queries(schema_name)
 
     async def __aenter__(self) -> TaskRunner:
         if self._pool is None and self.dsn is not None:

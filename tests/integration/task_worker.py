@@ -74,7 +74,7 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.clock_offset:
         shift_clock(opts.clock_offset)
-    from dedup import cli  # only now, so it sees the shifted clock
+    from dedup import _cli as cli  # only now, so it sees the shifted clock
 
     if opts.ready:
         opts.ready.touch()

@@ -163,7 +163,7 @@ async def test_a_batch_that_cannot_be_decoded_stops_the_consumer_naming_where_an
         stderr = (await child.proc.stderr.read()).decode()
     assert code == 1, stderr
     error = stderr.strip().splitlines()[-1]
-    assert error.startswith("dedup.errors.UndecodableBatchError: cannot decode a record batch")
+    assert error.startswith("dedup.UndecodableBatchError: cannot decode a record batch")
     assert f"of topic {topic!r} partition 0, fetch position " in error
     assert "Libraries for snappy compression codec not found" in error
     assert "pip install 'aiokafka[snappy,lz4,zstd]'" in error

@@ -169,7 +169,7 @@ def test_library_wheel_holds_the_typed_dedup_package_only(wheels: Wheels) -> Non
     dist_info = f"dedup_kafka-{VERSION}.dist-info/"
     assert {n.split("/")[0] + "/" for n in names} == {"dedup/", dist_info}
     assert "dedup/py.typed" in names
-    assert "dedup/sql/0001_core.sql" in names
+    assert "dedup/sql/migrations/0001_core.sql" in names
     assert f"{dist_info}licenses/LICENSE" in names
     with zipfile.ZipFile(wheels.library) as whl:
         entry_points = whl.read(f"{dist_info}entry_points.txt").decode()

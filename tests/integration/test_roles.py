@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 import dedup
-from dedup import _schema as schema
+from dedup import _sql as sql
 from tests import helpers
 from tests.conftest import LoginAs, Topics
 from tests.integration import consumer_support as support
@@ -68,8 +68,8 @@ async def test_tables_of_later_migrations_are_covered_and_the_grants_rerun(pool:
     assert (await _privileges(pool, "dedup_runtime"))["later"] == RUNTIME_PRIVILEGES
 
     # The roles migration is safe to apply again (another database, another schema).
-    sql = (schema.migrations_dir() / "0003_roles.sql").read_text()
-    await pool.execute(schema.render(sql, "dedup"))
+    roles = (sql.migrations_dir() / "0003_roles.sql").read_text()
+    await pool.execute(sql.render(roles, "dedup"))
     await dedup.migrate(pool, schema_name="tenant_b")
     assert (await _privileges(pool, "dedup_runtime"))["events"] == {"SELECT", "INSERT"}
     grants = await pool.fetchval(
@@ -192,7 +192,7 @@ async def test_a_consumer_that_cannot_take_its_partitions_fails_loudly(
     await helpers.produce(bootstrap_servers, topic, [(None, b'{"id": "m0"}')])
     # The runtime role may not write partition rows in this database: taking fails for good.
     await pool.execute("REVOKE INSERT, UPDATE ON dedup.partitions FROM dedup_runtime")
-    runtime = await dedup.db.create_pool(await login_as("dedup_runtime"), max_size=3)
+    runtime = await dedup._db.create_pool(await login_as("dedup_runtime"), max_size=3)
     consumer = support.consumer(support.record_effect, topic, bootstrap_servers, runtime)
     try:
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""Schema names, SQL rendering and migration discovery: pure logic."""
+"""Schema names, the named-query layer (dedup/_sql.py) and migration discovery: pure logic."""
 
 from __future__ import annotations
 
@@ -11,33 +11,33 @@ import pytest
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _migrations as migrations
-from dedup import _schema as schema
+from dedup import _sql as sql
 
 
 @pytest.mark.parametrize("name", ["dedup", "tenant_7", "_x"])
 def test_plain_identifiers_are_quoted(name: str) -> None:
-    assert schema.quote(name) == f'"{name}"'
+    assert sql.quote(name) == f'"{name}"'
 
 
 @pytest.mark.parametrize("name", ["", "Dedup", "7up", 'a"; drop table x; --', "a-b", "x" * 64])
 def test_anything_else_is_refused_naming_the_input(name: str) -> None:
     with pytest.raises(errors.ConfigurationError, match="invalid schema name"):
-        schema.quote(name)
+        sql.quote(name)
 
 
 def test_render_substitutes_only_the_schema_placeholder() -> None:
-    assert schema.render("SELECT '{x}' FROM {schema}.t", "s1") == "SELECT '{x}' FROM \"s1\".t"
+    assert sql.render("SELECT '{x}' FROM {schema}.t", "s1") == "SELECT '{x}' FROM \"s1\".t"
 
 
 def test_named_queries_are_rendered_for_the_schema() -> None:
-    q = schema.Queries("other")
+    q = sql.Queries("other")
     assert '"other".migrations' in q.applied_migrations
     with pytest.raises(AttributeError, match="no query named"):
         _ = q.no_such_query
 
 
 def test_shipped_migrations_are_numbered_in_order() -> None:
-    found = migrations.discover(schema.migrations_dir())
+    found = migrations.discover(sql.migrations_dir())
     assert [m.version for m in found] == sorted(m.version for m in found)
     assert found[0].name == "core"
 
@@ -65,6 +65,25 @@ def test_migrations_only_add() -> None:
         r"|ALTER\s+COLUMN\s+\S+\s+(TYPE|SET\s+NOT\s+NULL))\b",
         re.IGNORECASE,
     )
-    for migration in migrations.discover(schema.migrations_dir()):
+    for migration in migrations.discover(sql.migrations_dir()):
         code = re.sub(r"--[^\n]*", "", migration.path.read_text(encoding="utf-8"))
         assert not narrowing.search(code), migration.path.name
+
+
+def test_named_parameters_become_positional_in_order_of_first_use() -> None:
+    text, params = sql.positional(
+        "SELECT :b::int, ':not_a_param', \"col:x\", :a, :b -- :comment\nFROM t WHERE x = :a"
+    )
+    assert params == ("b", "a")
+    assert (
+        text == "SELECT $1::int, ':not_a_param', \"col:x\", $2, $1 -- :comment\nFROM t WHERE x = $2"
+    )
+
+
+def test_a_query_refuses_arguments_that_do_not_match_its_parameters() -> None:
+    query = sql.Query("q", "SELECT $1, $2", ("a", "b"))
+    assert query.args({"b": 2, "a": 1}) == [1, 2]
+    with pytest.raises(
+        TypeError, match=r"query q takes a, b \(missing: \['b'\], unexpected: \['c'\]\)"
+    ):
+        query.args({"a": 1, "c": 3})

@@ -1,0 +1,118 @@
+-- Named queries of dedup: consumer.  Loaded by dedup/_sql.py: each starts with a
+-- `-- name: NAME` line; `{schema}` becomes the quoted schema name and
+-- `:name` parameters are bound by keyword.
+
+-- name: take_partitions
+-- Take the given partitions for this holder: a new token for each, bumped past
+-- every earlier owner's; returns the offset to resume from (NULL: never applied).
+INSERT INTO {schema}.partitions AS p (group_id, topic, "partition", holder, token)
+SELECT $1, t, part, $2, 1 FROM unnest($3::text[], $4::int[]) AS x(t, part)
+ON CONFLICT (group_id, topic, "partition") DO UPDATE
+   SET token = p.token + 1, holder = EXCLUDED.holder, acquired_at = now(), updated_at = now()
+RETURNING topic, "partition", token, next_offset
+
+-- name: partition_position
+-- Who holds a partition and where its offset stands: after a COMMIT whose answer
+-- was lost, this tells whether the batch landed; after a refused fence, who
+-- took the partition (another consumer, or `dedup offsets`).
+SELECT holder, token, next_offset FROM {schema}.partitions
+ WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+
+-- name: partition_positions
+-- The same for every partition a consumer holds ($2 topics, $3 partitions), in
+-- one statement: an idle consumer looks every kafka_commit_interval.
+SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
+  FROM {schema}.partitions AS p
+  JOIN unnest($2::text[], $3::int[]) AS x(t, part) ON p.topic = x.t AND p."partition" = x.part
+ WHERE p.group_id = $1
+
+-- name: serialize_group
+-- After a deadlock a consumer runs one batch transaction at a time (dedup/lanes.py).
+-- Each such transaction first takes the group's transaction-scoped advisory
+-- lock, so the consumers of a group that all deadlocked on hot rows run their
+-- batches one at a time across processes too, instead of deadlocking again
+-- each time two of them overlap.  Taken before any row lock, it can't be part
+-- of a deadlock itself.  $1 group.
+SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext($1))
+
+-- name: advance_partition
+-- Move the offset past records the consumer was never handed (transaction
+-- markers, records of aborted transactions, compacted gaps) under the batch's
+-- fence: only while this token is current and the offset is where this holder
+-- left it.  No keys are claimed.  $1 group, $2 topic, $3 partition, $4 new
+-- next_offset, $5 token, $6 expected next_offset.
+UPDATE {schema}.partitions
+   SET next_offset = $4, updated_at = now()
+ WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+   AND token = $5 AND next_offset IS NOT DISTINCT FROM $6
+
+-- name: fence_and_claim
+-- One round trip for steps 1 and 2 of a batch.  The fence moves the partition's
+-- offset only while this token is current and the offset is where this holder
+-- left it; the claim runs only if the fence held.  A key seen before gets its
+-- duplicate (same payload hash) or conflict (different hash) counted instead.
+-- $1 group, $2 topic, $3 partition, $4 new next_offset, $5 token (NULL: no fence,
+-- for wrap()), $6 expected next_offset, $7 namespace, $8 keys, $9 offsets,
+-- $10 payload hashes, $11 the transaction's idle_in_transaction_session_timeout
+-- and $12 its lock_timeout, in ms (NULL: the session's).  The settings ride on
+-- this statement, the batch's first, instead of a SET LOCAL of their own: no
+-- round trip more per batch, and nothing per session, so they hold through a
+-- pooler in transaction mode.
+WITH fence AS (
+    UPDATE {schema}.partitions
+       SET next_offset = $4, updated_at = now()
+     WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+       AND token = $5 AND next_offset IS NOT DISTINCT FROM $6
+    RETURNING 1
+), claim AS (
+    INSERT INTO {schema}.processed AS p
+        (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
+    SELECT $7, k, $2, $3, o, $5, h
+      FROM unnest($8::text[], $9::bigint[], $10::bytea[]) AS x(k, o, h)
+     WHERE $5::bigint IS NULL OR EXISTS (SELECT FROM fence)
+    ON CONFLICT (namespace, idempotency_key) DO UPDATE
+       SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
+           conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
+           last_duplicate_at = now()
+    RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
+              p.topic, p."partition", p."offset"
+)
+SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
+  FROM (SELECT set_config('idle_in_transaction_session_timeout',
+                          coalesce($11::text, current_setting('idle_in_transaction_session_timeout')),
+                          true),
+               set_config('lock_timeout', coalesce($12::text, current_setting('lock_timeout')),
+                          true)) AS settings
+  LEFT JOIN claim ON true
+
+-- name: claim_keys
+-- dedup.claim(): the claim of fence_and_claim without a fence, inside the
+-- caller's own transaction, for keys from any topics and partitions.
+-- $1 namespace, $2 keys, $3 topics, $4 partitions, $5 offsets, $6 payload hashes.
+INSERT INTO {schema}.processed AS p
+    (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
+SELECT $1, k, t, part, o, NULL, h
+  FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[]) AS x(k, t, part, o, h)
+ON CONFLICT (namespace, idempotency_key) DO UPDATE
+   SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
+       conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
+       last_duplicate_at = now()
+RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
+          p.topic, p."partition", p."offset"
+
+-- name: count_copies
+-- Further copies of a key inside one batch, once each was classified against
+-- the stored payload hash.  $1 namespace, $2 keys, $3 duplicates, $4 conflicts.
+UPDATE {schema}.processed AS p
+   SET duplicates = p.duplicates + x.d, conflicts = p.conflicts + x.c,
+       last_duplicate_at = now()
+  FROM unnest($2::text[], $3::int[], $4::int[]) AS x(k, d, c)
+ WHERE p.namespace = $1 AND p.idempotency_key = x.k
+
+-- name: dead_letter
+-- Rare, so one row per statement (sent pipelined with executemany).
+INSERT INTO {schema}.dead_letters
+    (namespace, group_id, topic, "partition", "offset", timestamp_ms, key, value,
+     header_names, header_values, idempotency_key, reason, error, attempts, token)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+ON CONFLICT (namespace, topic, "partition", "offset") DO NOTHING
