@@ -29,8 +29,6 @@ import asyncio
 import collections
 import http.client
 import logging
-import os
-import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -39,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import metrics, propagate, trace
+
+import dedup
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Dispatcher:
         self.pool = pool
         """asyncpg pool on the database of the outbox."""
         self.receiver_url = receiver_url
-        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
+        self.holder = holder or dedup.default_holder()
         """This dispatcher's name in ``claimed_by``."""
         self.batch_size = batch_size
         self.claim_ttl = claim_ttl

@@ -139,18 +139,18 @@ def consumer_options(p: argparse.ArgumentParser, name: str) -> None:
 
 
 async def migrate(
-    target: Any, components: Sequence[str], *, schema_name: str | None = "dedup"
+    target: Any, components: Sequence[str], *, schema: str | None = "dedup"
 ) -> list[str]:
     """Apply dedup's migrations, then each component's; return what was applied now.
 
-    With ``schema_name=None`` dedup's tables are left alone and each component's
+    With ``schema=None`` dedup's tables are left alone and each component's
     migrations are recorded in a schema of the component's name.
     """
-    applied = [] if schema_name is None else await dedup.migrate(target, schema_name=schema_name)
+    applied = [] if schema is None else await dedup.migrate(target, schema_name=schema)
     for component in components:
         applied += await dedup.migrate(
             target,
-            schema_name=schema_name or component,
+            schema_name=schema or component,
             directory=SQL / component,
             component=component,
         )
@@ -186,8 +186,7 @@ async def started(
         raise dedup.ConfigurationError(f"--log-level {args.log_level!r}: {exc}") from exc
     require(args.dsn, "--dsn", "DEDUP_DSN")
     if not args.no_migrate:
-        schema_name = getattr(args, "schema", None)
-        applied = await migrate(args.dsn, components, schema_name=schema_name)
+        applied = await migrate(args.dsn, components, schema=getattr(args, "schema", None))
         log.info("%s: migrations applied now: %s", name, ", ".join(applied) or "none")
     if args.migrate_only:
         yield False
@@ -294,9 +293,9 @@ class ConsumerService:
             **settings,
         )
 
-    async def migrate(self, target: Any, *, schema_name: str = "dedup") -> list[str]:
+    async def migrate(self, target: Any, *, schema: str = "dedup") -> list[str]:
         """Apply dedup's migrations and this service's (a DSN, pool or connection)."""
-        return await migrate(target, self.components, schema_name=schema_name)
+        return await migrate(target, self.components, schema=schema)
 
     def parser(self) -> argparse.ArgumentParser:
         """The service's flags."""

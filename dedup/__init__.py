@@ -21,13 +21,15 @@ from dedup._errors import (
     StaleTokenError,
     UndecodableBatchError,
 )
-from dedup._leases import Lease, Leases
+from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, Outcome, Tx
 from dedup._migrations import migrate
 from dedup._reconciliation import Check as ReconcileCheck
 from dedup._reconciliation import Report as ReconcileReport
 from dedup._reconciliation import reconcile
-from dedup._tasks import TaskOutcome, TaskRun, TaskRunner
+from dedup._task_command import run_task
+from dedup._task_run import TaskOutcome, TaskRun, TaskState
+from dedup._tasks import TaskRunner
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
 _DISTRIBUTION = "dedup-kafka"
@@ -58,12 +60,16 @@ __all__ = [
     "TaskOutcome",
     "TaskRun",
     "TaskRunner",
+    "TaskState",
     "Tx",
     "UndecodableBatchError",
     "claim",
+    "default_holder",
+    "fenced_upsert",
     "keys",
     "migrate",
     "reconcile",
+    "run_task",
     "wrap",
 ]
 

@@ -17,10 +17,8 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import importlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
@@ -33,12 +31,14 @@ from dedup import _audit as audit
 from dedup import _db as db
 from dedup import _dead_letters as dead_letters
 from dedup import _errors as errors
+from dedup import _imports as imports
 from dedup import _migrations as migrations
 from dedup import _offsets as offsets
 from dedup import _reconciliation as reconciliation
 from dedup import _report as report
 from dedup import _retention as retention
 from dedup import _sql as sql
+from dedup import _task_command as task_command
 from dedup import _tasks as tasks
 from dedup import _timespec as timespec
 
@@ -127,16 +127,6 @@ def _migration_status(found: list[migrations.Status], args: argparse.Namespace) 
     return EXIT_PROBLEM if waiting else EXIT_OK
 
 
-EXIT_SKIPPED_DONE = 3
-EXIT_SKIPPED_RUNNING = 4
-_TASK_EXIT = {
-    "succeeded": EXIT_OK,
-    "failed": EXIT_PROBLEM,
-    "skipped_done": EXIT_SKIPPED_DONE,
-    "skipped_running": EXIT_SKIPPED_RUNNING,
-}
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -149,62 +139,23 @@ def _seconds(text: str) -> float:
 
 def _load_job(spec: str) -> tasks.Job:
     """The async function named by ``MODULE:FUNCTION``, importable from the working directory."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise errors.ConfigurationError(
-            f"job {spec!r}: name it MODULE:FUNCTION, e.g. myjobs:send_statements"
-        )
-    # Like `python -m`: a job module next to where the cron line runs is found.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        found: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError) as exc:
-        raise errors.ConfigurationError(f"cannot load job {spec}: {exc}") from exc
-    if not callable(found):
-        raise errors.ConfigurationError(f"job {spec} is not callable: {found!r}")
-    job: tasks.Job = found
+    job: tasks.Job = imports.load(spec, what="job", expected="async def job(run: dedup.TaskRun)")
     return job
 
 
 async def _task_run(args: argparse.Namespace) -> int:
-    job = _load_job(args.job)
-    runner = tasks.TaskRunner(
+    return await task_command.run_task(
+        _load_job(args.job),
+        task=args.task,
+        key=args.key,
         dsn=_dsn(args),
+        schema=args.schema,
         holder=args.holder,
-        schema_name=args.schema,
         max_attempts=args.max_attempts,
+        lease_ttl=args.ttl,
+        force=args.force,
         pool_options=POOL_OPTIONS,
     )
-    # SIGTERM (a scheduler's timeout, a deploy) cancels the run: the task is
-    # marked failed and its lease released, so the next runner need not wait.
-    loop = asyncio.get_running_loop()
-    current = asyncio.current_task()
-    assert current is not None  # noqa: S101 (asyncio.run gives us a task)
-    loop.add_signal_handler(signal.SIGTERM, current.cancel)
-    try:
-        async with runner:
-            outcome = await runner.run(
-                args.task, args.key, job, lease_ttl=args.ttl, force=args.force
-            )
-    except asyncio.CancelledError:
-        print(
-            f"dedup task run: interrupted; task {args.task} key {args.key} marked failed",
-            file=sys.stderr,
-        )
-        return EXIT_PROBLEM
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-    forced = ", forced" if outcome.forced else ""
-    print(
-        f"task {outcome.task} key {outcome.business_key}: {outcome.status} "
-        f"(token {outcome.token}, attempt {outcome.attempts}, holder {outcome.holder}{forced})"
-    )
-    if outcome.error:
-        print(f"dedup task run: {outcome.error}", file=sys.stderr)
-    return _TASK_EXIT[outcome.status]
 
 
 # --- audit, events, dead-letters, purge: the operator commands -----------------------
@@ -632,22 +583,13 @@ def _add_offsets(sub: Any) -> None:
 
 def _load_service(spec: str) -> Callable[[list[str]], Any]:
     """The entry point named by ``MODULE`` (its ``main``) or ``MODULE:FUNCTION``."""
-    module_name, _, attribute = spec.partition(":")
-    # Like `python -m`: a service module next to where the command runs is found.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise errors.ConfigurationError(f"cannot import service {module_name}: {exc}") from exc
-    entry = getattr(module, attribute or "main", None)
-    if not callable(entry):
-        raise errors.ConfigurationError(
-            f"{module_name} has no {attribute or 'main'}(argv) entry point: a service module "
-            "defines `async def main(argv: list[str]) -> int`"
-        )
-    found: Callable[[list[str]], Any] = entry
-    return found
+    entry: Callable[[list[str]], Any] = imports.load(
+        spec,
+        what="service",
+        default="main",
+        expected="a service module defines `async def main(argv: list[str]) -> int`",
+    )
+    return entry
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -781,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lease seconds, renewed every third of it while the job runs (default: %(default)s)",
     )
     p.add_argument("--force", action="store_true", help="run even if it already succeeded")
-    p.add_argument("--holder", help="this runner's name (default: hostname:pid)")
+    p.add_argument("--holder", help="this runner's name (default: hostname:pid:xxxxxx)")
     p.add_argument(
         "--max-attempts",
         type=int,

@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import inspect
 import logging
-import re
+import os
+import secrets
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +45,15 @@ log = logging.getLogger("dedup.leases")
 DEFAULT_RENEW_FRACTION = 1 / 3
 """A watchdog renews after this fraction of the TTL, leaving two more tries before expiry."""
 
-_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+def default_holder() -> str:
+    """``hostname:pid:xxxxxx``, the default name of a holder in leases and events.
+
+    Host and process tell machines apart in the audit trail; six random hex
+    digits tell apart two holders of one process (two consumers, a consumer
+    and a task runner).
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,16 +125,16 @@ class Leases:
         self,
         pool: Any,
         *,
-        schema_name: str = sql.DEFAULT_SCHEMA,
+        schema: str = sql.DEFAULT_SCHEMA,
         transaction_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.pool = pool
         """The asyncpg pool used when no connection is given."""
-        self.schema_name = schema_name
+        self.schema = schema
         """The schema of the ``leases`` and ``events`` tables."""
         self.transaction_settings = dict(transaction_settings or {})
         """Postgres settings of the transactions opened here, e.g. a lock or idle timeout."""
-        self._q = sql.Queries(schema_name)
+        self._q = sql.Queries(schema)
 
     @contextlib.asynccontextmanager
     async def _conn(self, conn: asyncpg.Connection | None) -> AsyncIterator[asyncpg.Connection]:
@@ -139,7 +150,7 @@ class Leases:
     ) -> None:
         await events.record(
             conn,
-            self.schema_name,
+            self.schema,
             [
                 events.Event(
                     subject="lease",
@@ -174,7 +185,9 @@ class Leases:
         if ttl <= 0:
             raise errors.ConfigurationError(f"lease ttl must be positive seconds, not {ttl!r}")
         async with self._conn(conn) as c:
-            row = await c.fetchrow(self._q.lease_acquire, resource, holder, float(ttl))
+            row = await self._q.lease_acquire.fetchrow(
+                c, resource=resource, holder=holder, ttl=float(ttl)
+            )
             if row is None:
                 return None
             lease = _lease(row, namespace, key)
@@ -190,11 +203,11 @@ class Leases:
         holder took the resource: an expired lease is never revived.
         """
         async with self._conn(conn) as c:
-            row = await c.fetchrow(
-                self._q.lease_renew,
-                lease.resource,
-                lease.token,
-                None if ttl is None else float(ttl),
+            row = await self._q.lease_renew.fetchrow(
+                c,
+                resource=lease.resource,
+                token=lease.token,
+                ttl=None if ttl is None else float(ttl),
             )
             if row is None:
                 raise await self.stale_error(c, lease)
@@ -207,7 +220,9 @@ class Leases:
     async def release(self, lease: Lease, *, conn: asyncpg.Connection | None = None) -> bool:
         """End ``lease`` now so the next holder need not wait; False if it was no longer held."""
         async with self._conn(conn) as c:
-            released = await c.fetchval(self._q.lease_release, lease.resource, lease.token)
+            released = await self._q.lease_release.fetchval(
+                c, resource=lease.resource, token=lease.token
+            )
             if released is None:
                 return False
             await self._record(c, lease, "lease_released")
@@ -226,7 +241,8 @@ class Leases:
                 "check(conn, lease) must run inside the transaction of the writes it guards: "
                 "open `async with conn.transaction():` first"
             )
-        if await conn.fetchval(self._q.lease_fence, lease.resource, lease.token) is None:
+        held = await self._q.lease_fence.fetchval(conn, resource=lease.resource, token=lease.token)
+        if held is None:
             telemetry.stale_rejections.add(1, {"dedup.subject": "lease"})
             raise await self.stale_error(conn, lease)
 
@@ -237,12 +253,12 @@ class Leases:
         if conn is None:
             async with self.pool.acquire() as own:
                 return await self.current(resource, conn=own)
-        row = await conn.fetchrow(self._q.lease_get, resource)
+        row = await self._q.lease_get.fetchrow(conn, resource=resource)
         return _lease(row, None, None) if row is not None and row["live"] else None
 
     async def stale_error(self, conn: asyncpg.Connection, lease: Lease) -> errors.StaleTokenError:
         """The error for ``lease`` once it is no longer current, saying who has it now."""
-        row = await conn.fetchrow(self._q.lease_get, lease.resource)
+        row = await self._q.lease_get.fetchrow(conn, resource=lease.resource)
         if row is not None and row["token"] != lease.token:
             why = f"{row['holder']!r} took over with token {row['token']}"
         else:
@@ -261,7 +277,7 @@ class Leases:
         try:
             async with self._conn(None) as c:
                 await self._record(c, lease, "lease_lost", reason=str(error))
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except db.DATABASE_ERRORS:
             log.warning("could not record the loss of lease %s", lease.resource, exc_info=True)
 
     def watch(
@@ -375,42 +391,30 @@ class Watchdog:
             await outcome
 
 
-def _identifier(name: str, what: str) -> str:
-    parts = name.split(".")
-    if len(parts) > 2 or not all(_IDENTIFIER.fullmatch(p) for p in parts):
-        raise errors.ConfigurationError(
-            f"invalid {what} {name!r}: use lowercase letters, digits and '_' "
-            "(optionally schema.table)"
-        )
-    return ".".join(f'"{p}"' for p in parts)
-
-
-def fenced_upsert_sql(
-    table: str,
-    key_columns: tuple[str, ...],
-    value_columns: tuple[str, ...],
-    *,
-    fence_column: str = "fence_token",
-) -> str:
-    """The SQL behind :func:`fenced_upsert`: insert, or update only under a token not older.
-
-    Parameters are the key columns, then the value columns, then the token.
-    The table needs a unique constraint on the key columns and a bigint
-    ``fence_column``.
-    """
+@functools.lru_cache(maxsize=64)
+def _fenced_upsert_query(
+    table: str, key_columns: tuple[str, ...], value_columns: tuple[str, ...], fence_column: str
+) -> sql.Query:
+    """The ``fenced_upsert`` template of leases.sql, completed for one table."""
     if not key_columns:
         raise errors.ConfigurationError("a fenced row needs at least one key column")
-    t = _identifier(table, "table name")
-    keys = [_identifier(c, "column name") for c in key_columns]
-    values = [_identifier(c, "column name") for c in value_columns]
-    fence = _identifier(fence_column, "column name")
-    columns = [*keys, *values, fence]
-    placeholders = ", ".join(f"${i}" for i in range(1, len(columns) + 1))
-    updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in [*values, fence])
-    return (
-        f"INSERT INTO {t} AS cur ({', '.join(columns)}) VALUES ({placeholders}) "  # noqa: S608
-        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates} "
-        f"WHERE cur.{fence} <= EXCLUDED.{fence} RETURNING 1"
+    columns = [*key_columns, *value_columns, fence_column]
+    if len(set(columns)) < len(columns):
+        raise errors.ConfigurationError(
+            f"fenced row of {table}: columns {columns} repeat one (the key, the values "
+            f"and the fence column {fence_column!r} must differ)"
+        )
+    quoted = {c: sql.identifier(c, "column name") for c in columns}
+    updated = [quoted[c] for c in [*value_columns, fence_column]]
+    return sql.template(
+        "fenced_upsert",
+        table=sql.identifier(table, "table name"),
+        columns=", ".join(quoted.values()),
+        values=", ".join(f":{c}" for c in columns),
+        keys=", ".join(quoted[c] for c in key_columns),
+        updated=", ".join(updated),
+        excluded=", ".join(f"EXCLUDED.{c}" for c in updated),
+        fence=quoted[fence_column],
     )
 
 
@@ -430,11 +434,13 @@ async def fenced_upsert(
     token is lower (a holder that was paused and superseded) is refused with
     :class:`dedup.StaleTokenError`, so the caller's transaction rolls back.
     This is the ``UPDATE ... WHERE id = $1 AND fence_token <= $token`` pattern,
-    as an upsert so the first write needs no separate INSERT.  Table and column
-    names are validated and quoted; values are always parameters.
+    as an upsert so the first write needs no separate INSERT.  The table needs
+    a unique constraint on the key columns and a bigint ``fence_column``.
+    Table and column names are validated and quoted; values are always
+    parameters.
     """
-    sql = fenced_upsert_sql(table, tuple(key), tuple(values), fence_column=fence_column)
-    if await conn.fetchval(sql, *key.values(), *values.values(), token) is None:
+    query = _fenced_upsert_query(table, tuple(key), tuple(values), fence_column)
+    if await query.fetchval(conn, **key, **values, **{fence_column: token}) is None:
         telemetry.stale_rejections.add(1, {"dedup.subject": "row"})
         raise errors.StaleTokenError(
             resource,

@@ -43,8 +43,8 @@ import orjson
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
+from dedup import _leases as leases
 from dedup import _sql as sql
-from dedup import _tasks as tasks
 from dedup import _telemetry as telemetry
 
 ENTRY_POINT_GROUP = "dedup.reconcile"
@@ -344,7 +344,7 @@ def _event(report: Report, holder: str | None) -> events.Event:
         kind=f"reconcile_{state}",
         namespace=report.task,
         key=report.business_date.isoformat(),
-        holder=holder or tasks.default_holder(),
+        holder=holder or leases.default_holder(),
         to_state=state,
         detail={
             "source_rows": report.source.rows,

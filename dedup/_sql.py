@@ -144,3 +144,32 @@ class Queries:
         # TRANSITIONAL (issue 15): a query still written with $n is handed out as
         # its text, for the call sites not yet moved to keyword arguments.
         return query if query.params else query.sql
+
+
+def identifier(name: str, what: str) -> str:
+    """``name`` (a column, a table or ``schema.table``) quoted, each part checked first.
+
+    For the identifiers a caller configures (a table of its own); ``what``
+    names the setting in the error.
+    """
+    parts = name.split(".") if isinstance(name, str) else [name]
+    if len(parts) > 2 or not all(isinstance(p, str) and _IDENTIFIER.fullmatch(p) for p in parts):
+        raise errors.ConfigurationError(
+            f"invalid {what} {name!r}: use lowercase letters, digits and '_' "
+            "(at most 63, not starting with a digit; a table may be schema.table)"
+        )
+    return ".".join(f'"{p}"' for p in parts)
+
+
+def template(name: str, **parts: str) -> Query:
+    """The named query ``name`` with each ``{part}`` replaced, ready to run.
+
+    A template is a query of the files whose identifiers the caller chooses
+    (its own table and columns); ``parts`` are built from :func:`identifier`
+    and ``:name`` parameters only, never from values.
+    """
+    text = _texts()[name]
+    for part, filled in parts.items():
+        text = text.replace("{" + part + "}", filled)
+    rendered, params = positional(text)
+    return Query(name, rendered, params)

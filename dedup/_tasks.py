@@ -22,17 +22,12 @@ makes it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
-import os
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import asyncpg
-import orjson
 from opentelemetry import trace
 
 from dedup import _db as db
@@ -41,234 +36,19 @@ from dedup import _events as events
 from dedup import _leases as leases
 from dedup import _migrations as migrations
 from dedup import _sql as sql
+from dedup import _task_run as task_run
 from dedup import _telemetry as telemetry
+from dedup._task_run import TaskState
 
 log = logging.getLogger("dedup.tasks")
-
-Status = Literal["succeeded", "failed", "skipped_done", "skipped_running"]
 
 DEFAULT_LEASE_TTL = 30.0
 """Seconds; short on purpose: the watchdog renews at a fraction of it while the job runs."""
 DEFAULT_MAX_ATTEMPTS = 3
 """Runs of one (task, key) before a failed task is left alone until forced."""
 
-
-def default_holder() -> str:
-    """``hostname:pid``: tells machines and processes apart in the audit trail."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def resource_for(task: str, business_key: str) -> str:
-    """The lease resource of one (task, business key)."""
-    return f"task:{task}:{business_key}"
-
-
-@dataclass(frozen=True, slots=True)
-class TaskOutcome:
-    """What :meth:`TaskRunner.run` did for one (task, business key)."""
-
-    status: Status
-    """``succeeded`` or ``failed`` (this runner ran the job, or found no attempts left),
-    ``skipped_done`` (it had succeeded before), ``skipped_running`` (a live holder has it)."""
-    task: str
-    """The task code."""
-    business_key: str
-    """The business key, e.g. the business date."""
-    token: int | None
-    """The fencing token of this run; for skips, that of the run found (None if never run)."""
-    attempts: int
-    """The task's attempt count: this run's number when it ran."""
-    holder: str | None
-    """Who ran it: this runner, or for skips the holder found."""
-    forced: bool = False
-    """This run was forced past a succeeded (or exhausted) task."""
-    result: Any = None
-    """The job's return value as stored (JSON), for ``succeeded`` and ``skipped_done``."""
-    error: str | None = None
-    """Why it failed, or why it was stopped (lost lease)."""
-
-
-class TaskRun:
-    """One run of a job under its lease: the token, and ways to write under it.
-
-    Write through :meth:`transaction` (fenced at commit), or fence your own
-    transactions with :meth:`fence`.  :meth:`complete` marks the task succeeded
-    in the same transaction as the writes that make it so.
-    """
-
-    def __init__(
-        self,
-        *,
-        task: str,
-        business_key: str,
-        lease: leases.Lease,
-        attempt: int,
-        forced: bool,
-        pool: Any,
-        leases_: leases.Leases,
-    ) -> None:
-        self.task = task
-        """The task code."""
-        self.business_key = business_key
-        """The business key."""
-        self.lease = lease
-        """The lease this run holds."""
-        self.attempt = attempt
-        """The task's attempt number of this run (1 for the first)."""
-        self.forced = forced
-        """The run was forced (``force=True``)."""
-        self.pool = pool
-        """The runner's asyncpg pool, for the job's own queries."""
-        self.lost: errors.StaleTokenError | None = None
-        """Set when the lease was lost: stop writing."""
-        self._leases = leases_
-        self._q = sql.Queries(leases_.schema_name)
-
-    @property
-    def token(self) -> int:
-        """This run's fencing token; larger than that of every earlier run of the task."""
-        return self.lease.token
-
-    @property
-    def holder(self) -> str:
-        """Who runs it."""
-        return self.lease.holder
-
-    @property
-    def resource(self) -> str:
-        """The lease resource, ``task:<task>:<business key>``."""
-        return self.lease.resource
-
-    async def fence(self, conn: asyncpg.Connection) -> None:
-        """Raise :class:`dedup.StaleTokenError` unless this run still holds the lease.
-
-        Call inside the transaction of your writes, right before it commits: a
-        conditional UPDATE of the lease row, which also makes any takeover wait
-        until your transaction ends.  On the error, let the transaction roll back.
-        """
-        await self._leases.check(conn, self.lease)
-
-    def outcome(self, status: Status, result: Any, error: str | None) -> TaskOutcome:
-        """The :class:`TaskOutcome` of this run."""
-        return TaskOutcome(
-            status=status,
-            task=self.task,
-            business_key=self.business_key,
-            token=self.token,
-            attempts=self.attempt,
-            holder=self.holder,
-            forced=self.forced,
-            result=result,
-            error=error,
-        )
-
-    @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
-        """A connection in a transaction that commits only if the fence holds at the end."""
-        async with (
-            self.pool.acquire() as conn,
-            db.transaction(conn, self._leases.transaction_settings),
-        ):
-            yield conn
-            await self.fence(conn)
-
-    async def complete(self, conn: asyncpg.Connection, result: Any = None) -> None:
-        """Mark the task succeeded inside the caller's transaction (fenced).
-
-        Commit the job's last writes and the task's success together, so a
-        crash between the two can never make the next runner repeat the job.
-        Call it before any fence of your own in that transaction (as
-        :meth:`transaction` does): the task row is locked before the lease
-        row, in the same order as a runner's claim, so the two never deadlock.
-        """
-        if not conn.is_in_transaction():
-            raise errors.ConfigurationError(
-                "complete(conn) must run inside the transaction of the job's writes"
-            )
-        attempts = await conn.fetchval(
-            self._q.task_finish,
-            self.task,
-            self.business_key,
-            self.token,
-            "succeeded",
-            _json(result)[1],
-            None,
-        )
-        if attempts is None:
-            raise await self._leases.stale_error(conn, self.lease)
-        await self.fence(conn)
-        await events.record(
-            conn,
-            self._leases.schema_name,
-            [_event(self, "task_succeeded", "running", "succeeded", attempt=self.attempt)],
-        )
-
-    async def write_fenced(
-        self,
-        conn: asyncpg.Connection,
-        table: str,
-        key: Mapping[str, Any],
-        values: Mapping[str, Any],
-    ) -> None:
-        """Upsert one business row stamped with this run's token (see :func:`leases.fenced_upsert`).
-
-        The row's ``fence_token`` column keeps the token of its last writer; a
-        write under an older token raises :class:`dedup.StaleTokenError`.
-        """
-        await leases.fenced_upsert(
-            conn, table, key, values, token=self.token, resource=self.resource
-        )
-
-
-Job = Callable[[TaskRun], Awaitable[object]]
-LeaseLostCallback = Callable[[TaskRun, errors.StaleTokenError], object]
-
-
-def _json(value: Any) -> tuple[Any, str | None]:
-    """``value`` and its JSON text (None for None), or its repr if orjson can't store it.
-
-    The job's effects are done either way.  The text goes to Postgres as text,
-    cast there, so whatever json codec the pool has never sees it.
-    """
-    if value is None:
-        return None, None
-    try:
-        return value, orjson.dumps(value).decode()
-    except TypeError:
-        log.warning("task result %r is not JSON; storing its repr", value)
-        return repr(value), orjson.dumps(repr(value)).decode()
-
-
-def _stored_result(row: Any) -> Any:
-    """The result of a ``task_get`` row (JSON text, see queries.sql), parsed."""
-    text = row["result"]
-    return None if text is None else orjson.loads(text)
-
-
-def _event(
-    run: TaskRun | None,
-    kind: str,
-    from_state: str | None,
-    to_state: str | None,
-    *,
-    task: str | None = None,
-    business_key: str | None = None,
-    holder: str | None = None,
-    token: int | None = None,
-    **detail: Any,
-) -> events.Event:
-    return events.Event(
-        subject="task",
-        kind=kind,
-        namespace=run.task if run else task,
-        key=run.business_key if run else business_key,
-        resource=run.resource if run else resource_for(task or "", business_key or ""),
-        holder=run.holder if run else holder,
-        token=run.token if run else token,
-        from_state=from_state,
-        to_state=to_state,
-        detail={k: v for k, v in detail.items() if v is not None},
-    )
+Job = Callable[[task_run.TaskRun], Awaitable[object]]
+LeaseLostCallback = Callable[[task_run.TaskRun, errors.StaleTokenError], object]
 
 
 class TaskRunner:
@@ -279,7 +59,7 @@ class TaskRunner:
     ``{"statement_cache_size": 0}`` behind pgbouncer in transaction mode) or
     ``pool`` (any asyncpg pool: dedup sends and reads JSON as text, so the
     pool's codecs don't matter).  ``holder`` names this runner in leases and
-    events (default ``hostname:pid``).  On its own pool, the runner's
+    events (default ``hostname:pid:xxxxxx``).  On its own pool, the runner's
     transactions run with an idle-in-transaction timeout (``SET LOCAL``), so a
     paused runner never holds a task or lease row for long; a pool of yours
     keeps its own settings.
@@ -291,14 +71,13 @@ class TaskRunner:
         dsn: str | None = None,
         pool: Any = None,
         holder: str | None = None,
-        schema_name: str = sql.DEFAULT_SCHEMA,
+        schema: str = sql.DEFAULT_SCHEMA,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         renew_fraction: float = leases.DEFAULT_RENEW_FRACTION,
         on_lease_lost: LeaseLostCallback | None = None,
         pool_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if (dsn is None) == (pool is None):
-            raise errors.ConfigurationError("TaskRunner needs dsn=... or pool=..., not both")
+        db.require_one(dsn, pool)
         self._pool_options = db.check_pool_options(pool_options, pool=pool)
         # dedup's idle timeout goes with dedup's pool; a pool of yours keeps its settings.
         self._settings: Mapping[str, str] = db.TRANSACTION_SETTINGS if pool is None else {}
@@ -309,11 +88,12 @@ class TaskRunner:
                 f"renew_fraction must be between 0 and 1 (a fraction of the ttl), "
                 f"not {renew_fraction}"
             )
-        sql.quote(schema_name)
+        sql.quote(schema)
         self.dsn = dsn
-        self.holder = holder or default_holder()
+        self.holder = holder or leases.default_holder()
         """This runner's name in leases and events."""
-        self.schema_name = schema_name
+        self.schema = schema
+        """The schema of dedup's tables."""
         self.max_attempts = max_attempts
         """A failed task runs again until it has this many attempts; then only when forced."""
         self.renew_fraction = renew_fraction
@@ -323,7 +103,7 @@ class TaskRunner:
         self._pool = pool
         self._owns_pool = False
         self._schema_checked = False
-        self._q = sql.Queries(schema_name)
+        self._q = sql.Queries(schema)
 
     async def __aenter__(self) -> TaskRunner:
         if self._pool is None and self.dsn is not None:
@@ -343,24 +123,10 @@ class TaskRunner:
             self._pool = None
             self._owns_pool = False
 
-    @contextlib.asynccontextmanager
-    async def _pool_for_run(self) -> AsyncIterator[Any]:
-        if self._pool is not None:
-            await self._check_schema(self._pool)
-            yield self._pool
-            return
-        assert self.dsn is not None  # noqa: S101 (checked in __init__)
-        pool = await db.create_pool(self.dsn, min_size=1, max_size=4, **self._pool_options)
-        try:
-            await self._check_schema(pool)
-            yield pool
-        finally:
-            await pool.close()
-
     async def _check_schema(self, pool: Any) -> None:
         """Refuse a schema that lacks a migration this dedup needs (once per runner)."""
         if not self._schema_checked:
-            await migrations.check(pool, schema_name=self.schema_name)
+            await migrations.check(pool, schema_name=self.schema)
             self._schema_checked = True
 
     async def run(
@@ -371,7 +137,7 @@ class TaskRunner:
         *,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         force: bool = False,
-    ) -> TaskOutcome:
+    ) -> task_run.TaskOutcome:
         """Run ``job`` for (``task``, ``business_key``) unless it ran or runs elsewhere.
 
         ``job`` is ``async (run: TaskRun) -> object``; its return value is
@@ -382,14 +148,7 @@ class TaskRunner:
         succeeded (or out-of-attempts) task again and records that it was
         forced; it never takes a live lease from a running holder.
         """
-        if not task or ":" in task:
-            raise errors.ConfigurationError(
-                f"invalid task code {task!r}: a non-empty name without ':'"
-            )
-        if not business_key:
-            raise errors.ConfigurationError("the business key must not be empty")
-        if lease_ttl <= 0:
-            raise errors.ConfigurationError(f"lease_ttl must be positive seconds, not {lease_ttl}")
+        _check_run(task, business_key, lease_ttl)
         attributes = {
             "dedup.task": task,
             "dedup.key": business_key,
@@ -398,12 +157,7 @@ class TaskRunner:
         }
         with telemetry.tracer.start_as_current_span(f"task {task}", attributes=attributes) as span:
             try:
-                async with self._pool_for_run() as pool:
-                    claimed = await self._claim(pool, task, business_key, lease_ttl, force)
-                    if isinstance(claimed, TaskRun):
-                        outcome = await self._execute(pool, claimed, job)
-                    else:
-                        outcome = claimed
+                outcome = await self._run(task, business_key, job, lease_ttl, force)
             except db.DATABASE_ERRORS as exc:
                 if not db.is_retriable(exc):
                     raise
@@ -411,12 +165,7 @@ class TaskRunner:
                     f"task {task} {business_key}: Postgres failed during the run ({exc!r}); "
                     "a lease this runner held expires by itself and the next run takes over"
                 ) from exc
-            span.set_attribute("dedup.status", outcome.status)
-            span.set_attribute("dedup.attempts", outcome.attempts)
-            if outcome.token is not None:
-                span.set_attribute("dedup.token", outcome.token)
-            if outcome.status == "failed":
-                span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error))
+            _annotate(span, outcome)
         log.info(
             "task %s %s: %s (token %s, attempt %s)",
             task,
@@ -427,102 +176,105 @@ class TaskRunner:
         )
         return outcome
 
+    async def _run(
+        self, task: str, key: str, job: Job, ttl: float, force: bool
+    ) -> task_run.TaskOutcome:
+        options = {"min_size": 1, "max_size": 4, **self._pool_options}
+        async with db.pool_for(self.dsn, self._pool, **options) as pool:
+            await self._check_schema(pool)
+            claimed = await self._claim(pool, task, key, ttl, force)
+            if isinstance(claimed, task_run.TaskRun):
+                return await self._execute(claimed, job)
+            return claimed
+
     async def _claim(
         self, pool: Any, task: str, key: str, ttl: float, force: bool
-    ) -> TaskRun | TaskOutcome:
+    ) -> task_run.TaskRun | task_run.TaskOutcome:
         """Decide, under the task row's lock, whether this runner runs the job now."""
-        lease_book = leases.Leases(
-            pool, schema_name=self.schema_name, transaction_settings=self._settings
-        )
-        resource = resource_for(task, key)
+        lease_book = leases.Leases(pool, schema=self.schema, transaction_settings=self._settings)
+        resource = task_run.resource_for(task, key)
         async with pool.acquire() as conn, db.transaction(conn, self._settings):
-            await conn.execute(self._q.task_ensure, task, key)
-            row = await conn.fetchrow(self._q.task_get + "\n   FOR UPDATE", task, key)
-            state: str = row["state"]
-            attempts: int = row["attempts"]
-
-            async def skip(status: Status, reason: str, **found: Any) -> TaskOutcome:
-                holder = found.pop("holder", row["holder"])
-                token = found.pop("token", row["token"])
-                event = _event(
-                    None,
-                    "task_skipped",
-                    state,
-                    state,
-                    task=task,
-                    business_key=key,
-                    holder=self.holder,
-                    token=token,
-                    reason=reason,
-                    held_by=holder,
-                    **found,
-                )
-                await events.record(conn, self.schema_name, [event])
-                return TaskOutcome(
-                    status=status,
-                    task=task,
-                    business_key=key,
-                    token=token,
-                    attempts=attempts,
-                    holder=holder,
-                    result=_stored_result(row) if status == "skipped_done" else None,
-                    error=found.get("error"),
-                )
-
-            if state == "succeeded" and not force:
-                return await skip("skipped_done", "done")
+            await self._q.task_ensure.execute(conn, task=task, business_key=key)
+            row = await self._q.task_lock.fetchrow(conn, task=task, business_key=key)
+            state = TaskState(row["state"])
+            if state == TaskState.SUCCEEDED and not force:
+                return await self._skip(conn, row, "skipped_done", "done")
             live = await lease_book.current(resource, conn=conn)
             if live is not None:
-                return await skip(
-                    "skipped_running", "running", holder=live.holder, token=live.token
+                return await self._skip(
+                    conn, row, "skipped_running", "running", holder=live.holder, token=live.token
                 )
-            if state in ("running", "failed") and attempts >= self.max_attempts and not force:
-                return await self._give_up(conn, row, skip)
-
+            exhausted = row["attempts"] >= self.max_attempts
+            if state in (TaskState.RUNNING, TaskState.FAILED) and exhausted and not force:
+                return await self._give_up(conn, row)
             lease = await lease_book.acquire(
                 resource, self.holder, ttl, conn=conn, namespace=task, key=key
             )
             if lease is None:  # taken directly through dedup.Leases, not by a runner
-                return await skip("skipped_running", "running")
-            attempt = await conn.fetchval(
-                self._q.task_start, task, key, self.holder, lease.token, force
-            )
-            run = TaskRun(
+                return await self._skip(conn, row, "skipped_running", "running")
+            run = task_run.TaskRun(
                 task=task,
                 business_key=key,
                 lease=lease,
-                attempt=attempt,
+                attempt=await self._q.task_start.fetchval(
+                    conn,
+                    task=task,
+                    business_key=key,
+                    holder=self.holder,
+                    token=lease.token,
+                    forced=force,
+                ),
                 forced=force,
                 pool=pool,
                 leases_=lease_book,
             )
-            if state == "running":
-                event = _event(
-                    run,
-                    "task_taken_over",
-                    "running",
-                    "running",
-                    old_token=row["token"],
-                    new_token=lease.token,
-                    old_holder=row["holder"],
-                    attempt=attempt,
-                    forced=force,
-                )
-            else:
-                event = _event(run, "task_started", state, "running", attempt=attempt, forced=force)
-            await events.record(conn, self.schema_name, [event])
+            await events.record(conn, self.schema, [_started(run, row)])
             return run
 
-    async def _give_up(
+    async def _skip(
         self,
         conn: asyncpg.Connection,
         row: asyncpg.Record,
-        skip: Callable[..., Awaitable[TaskOutcome]],
-    ) -> TaskOutcome:
+        status: task_run.Status,
+        reason: str,
+        **found: Any,
+    ) -> task_run.TaskOutcome:
+        """Record that this runner leaves the task alone; ``found`` overrides the row's holder."""
+        holder = found.pop("holder", row["holder"])
+        token = found.pop("token", row["token"])
+        state = row["state"]
+        event = task_run.event(
+            None,
+            "task_skipped",
+            state,
+            state,
+            task=row["task"],
+            business_key=row["business_key"],
+            holder=self.holder,
+            token=token,
+            reason=reason,
+            held_by=holder,
+            **found,
+        )
+        await events.record(conn, self.schema, [event])
+        return task_run.TaskOutcome(
+            status=status,
+            task=row["task"],
+            business_key=row["business_key"],
+            token=token,
+            attempts=row["attempts"],
+            holder=holder,
+            result=task_run.stored_result(row) if status == "skipped_done" else None,
+            error=found.get("error"),
+        )
+
+    async def _give_up(self, conn: asyncpg.Connection, row: asyncpg.Record) -> task_run.TaskOutcome:
         """No attempts left: a vanished holder's task becomes failed; a failed one stays so."""
         task, key = row["task"], row["business_key"]
-        if row["state"] == "failed":
-            return await skip(
+        if row["state"] == TaskState.FAILED:
+            return await self._skip(
+                conn,
+                row,
                 "failed",
                 "attempts_exhausted",
                 max_attempts=self.max_attempts,
@@ -533,12 +285,12 @@ class TaskRunner:
             f"holder {row['holder']} (token {row['token']}) stopped renewing its lease and "
             f"no attempts are left ({row['attempts']} of {self.max_attempts})"
         )
-        await conn.execute(self._q.task_give_up, task, key, error)
-        event = _event(
+        await self._q.task_give_up.execute(conn, task=task, business_key=key, error=error)
+        event = task_run.event(
             None,
             "task_failed",
-            "running",
-            "failed",
+            TaskState.RUNNING,
+            TaskState.FAILED,
             task=task,
             business_key=key,
             holder=self.holder,
@@ -546,8 +298,8 @@ class TaskRunner:
             error=error,
             old_holder=row["holder"],
         )
-        await events.record(conn, self.schema_name, [event])
-        return TaskOutcome(
+        await events.record(conn, self.schema, [event])
+        return task_run.TaskOutcome(
             status="failed",
             task=task,
             business_key=key,
@@ -557,7 +309,7 @@ class TaskRunner:
             error=error,
         )
 
-    async def _execute(self, pool: Any, run: TaskRun, job: Job) -> TaskOutcome:
+    async def _execute(self, run: task_run.TaskRun, job: Job) -> task_run.TaskOutcome:
         """Run the job under a watchdog, then record how it ended."""
 
         async def call() -> object:
@@ -576,7 +328,7 @@ class TaskRunner:
         every = run.lease.ttl * self.renew_fraction
         error: BaseException | None = None
         result: object = None
-        async with pool.acquire() as watchdog_conn:
+        async with run.pool.acquire() as watchdog_conn:
             watchdog = run._leases.watch(run.lease, lost, every=every, conn=watchdog_conn)
             async with watchdog:
                 try:
@@ -600,49 +352,89 @@ class TaskRunner:
             return await self._finish(run, None, f"{type(error).__name__}: {error}")
         return await self._finish(run, result, None)
 
-    async def _finish(self, run: TaskRun, result: object, error: str | None) -> TaskOutcome:
+    async def _finish(
+        self, run: task_run.TaskRun, result: object, error: str | None
+    ) -> task_run.TaskOutcome:
         """Record success (``error`` None) or failure, fenced, and release the lease."""
-        state = "failed" if error is not None else "succeeded"
-        stored, text = _json(result)
+        state = TaskState.FAILED if error is not None else TaskState.SUCCEEDED
+        stored, text = task_run.to_json(result)
+        keys = {"task": run.task, "business_key": run.business_key}
         try:
             async with (
                 run.pool.acquire() as conn,
                 db.transaction(conn, run._leases.transaction_settings),
             ):
-                attempts = await conn.fetchval(
-                    self._q.task_finish, run.task, run.business_key, run.token, state, text, error
+                attempts = await self._q.task_finish.fetchval(
+                    conn, **keys, token=run.token, state=state, result=text, error=error
                 )
                 if attempts is None:
-                    row = await conn.fetchrow(self._q.task_get, run.task, run.business_key)
-                    if row["state"] != "succeeded" or row["token"] != run.token:
+                    row = await self._q.task_get.fetchrow(conn, **keys)
+                    if row["state"] != TaskState.SUCCEEDED or row["token"] != run.token:
                         raise await run._leases.stale_error(conn, run.lease)
                     # The job completed the task itself (TaskRun.complete).
-                    state, stored, error = "succeeded", _stored_result(row), None
+                    stored, error = task_run.stored_result(row), None
                 else:
                     await run.fence(conn)
-                    await events.record(
-                        conn,
-                        self.schema_name,
-                        [
-                            _event(
-                                run,
-                                f"task_{state}",
-                                "running",
-                                state,
-                                attempt=run.attempt,
-                                error=error,
-                            )
-                        ],
+                    event = task_run.event(
+                        run,
+                        f"task_{state}",
+                        TaskState.RUNNING,
+                        state,
+                        attempt=run.attempt,
+                        error=error,
                     )
+                    await events.record(conn, self.schema, [event])
                 await run._leases.release(run.lease, conn=conn)
         except errors.StaleTokenError as exc:
             return await self._lost(run, exc, reported=run.lost is not None)
         return run.outcome("failed" if error is not None else "succeeded", stored, error)
 
     async def _lost(
-        self, run: TaskRun, error: errors.StaleTokenError, *, reported: bool
-    ) -> TaskOutcome:
+        self, run: task_run.TaskRun, error: errors.StaleTokenError, *, reported: bool
+    ) -> task_run.TaskOutcome:
         """The run lost its lease: nothing more is written for it, the task belongs to another."""
         if not reported:
             await run._leases.report_lost(run.lease, error)
         return run.outcome("failed", None, str(error))
+
+
+def _check_run(task: str, business_key: str, lease_ttl: float) -> None:
+    if not task or ":" in task:
+        raise errors.ConfigurationError(f"invalid task code {task!r}: a non-empty name without ':'")
+    if not business_key:
+        raise errors.ConfigurationError("the business key must not be empty")
+    if lease_ttl <= 0:
+        raise errors.ConfigurationError(f"lease_ttl must be positive seconds, not {lease_ttl}")
+
+
+def _started(run: task_run.TaskRun, row: asyncpg.Record) -> events.Event:
+    """The event of a run that starts: a takeover when the task's last holder vanished."""
+    if row["state"] == TaskState.RUNNING:
+        return task_run.event(
+            run,
+            "task_taken_over",
+            TaskState.RUNNING,
+            TaskState.RUNNING,
+            old_token=row["token"],
+            new_token=run.token,
+            old_holder=row["holder"],
+            attempt=run.attempt,
+            forced=run.forced,
+        )
+    return task_run.event(
+        run,
+        "task_started",
+        row["state"],
+        TaskState.RUNNING,
+        attempt=run.attempt,
+        forced=run.forced,
+    )
+
+
+def _annotate(span: trace.Span, outcome: task_run.TaskOutcome) -> None:
+    span.set_attribute("dedup.status", outcome.status)
+    span.set_attribute("dedup.attempts", outcome.attempts)
+    if outcome.token is not None:
+        span.set_attribute("dedup.token", outcome.token)
+    if outcome.status == "failed":
+        span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error))

@@ -50,7 +50,7 @@ async def test_every_snippet_of_the_outbox_howto_works(dsn: str, pool: Any) -> N
         body for _, body in blocks
     )
     await notifications.SERVICE.migrate(pool)
-    await service.migrate(pool, ("receiver",), schema_name=None)
+    await service.migrate(pool, ("receiver",), schema=None)
 
     # 1. The handler: one outbox row per key, under the batch's token.
     namespace: dict[str, Any] = {}

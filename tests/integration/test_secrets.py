@@ -197,7 +197,7 @@ async def test_the_library_never_shows_the_password(
         await raises(consumer(broken, topic, bootstrap_servers).run, shown)
     # A schema never migrated; a role that may not migrate.
     await raises(
-        lambda: dedup.TaskRunner(dsn=dsn, schema_name="nothere").run("secrets", "k", job),
+        lambda: dedup.TaskRunner(dsn=dsn, schema="nothere").run("secrets", "k", job),
         shown,
     )
     await raises(consumer(dsn, topic, bootstrap_servers, schema="nothere").run, shown)

@@ -69,7 +69,7 @@ async def test_duplicates_replays_and_two_dispatchers_deliver_each_once(
 ) -> None:
     topic = await topics.create(partitions=2)
     await notifications.SERVICE.migrate(pool)
-    await service.migrate(pool, ("receiver",), schema_name=None)
+    await service.migrate(pool, ("receiver",), schema=None)
     sent = await service_support.produce_events(
         bootstrap_servers, topic, [*STREAM, *STREAM[:2]], key="notification_id"
     )
@@ -115,7 +115,7 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
     bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
 ) -> None:
     topic = await topics.create()
-    await service.migrate(pool, ("receiver",), schema_name=None)
+    await service.migrate(pool, ("receiver",), schema=None)
     env = service_support.environment(dsn, bootstrap_servers, NOTIFICATIONS_TOPIC=topic)
     async with receiver.Receiver(pool) as downstream:
         # The consumer, as a service: it fills the outbox.
@@ -167,7 +167,7 @@ async def outbox_rows(pool: Any, n: int) -> bool:
 
 
 async def test_the_receiver_refuses_a_lower_token_and_ignores_repeats(pool: Any) -> None:
-    await service.migrate(pool, ("receiver",), schema_name=None)
+    await service.migrate(pool, ("receiver",), schema=None)
     body = orjson.dumps(notification("k"))
 
     async def send(token: str | None, key: str = "k") -> int:

@@ -76,7 +76,7 @@ async def test_a_superseded_run_cannot_overwrite_the_statements(pool: Any) -> No
     await runner.run(statements.TASK, DAY, statements.job)
     await runner.run(statements.TASK, DAY, statements.job, force=True)
     # A late write under token 1, after the run under token 2 wrote.
-    with pytest.raises(dedup.StaleTokenError, match="newer than fencing token 1"):
+    with pytest.raises(dedup.StaleTokenError, match="newer fencing token than 1"):
         async with pool.acquire() as conn, conn.transaction():
             await statements.write_statements(
                 conn, dt.date.fromisoformat(DAY), 1, "task:statements:" + DAY

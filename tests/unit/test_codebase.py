@@ -23,7 +23,6 @@ _SQL_NOT_YET_MOVED = {
     "_db.py",
     "_drivers.py",
     "_events.py",
-    "_leases.py",
     "_migrations.py",
     "_store.py",
 }
@@ -33,7 +32,6 @@ _LONG_NOT_YET_SPLIT = {
     "_consumer.py",
     "_offsets.py",
     "_store.py",
-    "_tasks.py",
     "_worker.py",
 }
 

@@ -4,10 +4,11 @@
 
 -- name: lease_acquire
 -- Take the resource when it is free or its lease expired; the token grows by
--- one on every acquisition.  $1 resource, $2 holder, $3 ttl in seconds.
+-- one on every acquisition.  :ttl is in seconds.
 INSERT INTO {schema}.leases AS l
     (resource, holder, token, ttl, acquired_at, renewed_at, expires_at)
-SELECT $1, $2, 1, make_interval(secs => $3), n.t, n.t, n.t + make_interval(secs => $3)
+SELECT :resource, :holder, 1, make_interval(secs => :ttl), n.t, n.t,
+       n.t + make_interval(secs => :ttl)
   FROM (SELECT clock_timestamp() AS t) AS n
 ON CONFLICT (resource) DO UPDATE
    SET holder = EXCLUDED.holder, token = l.token + 1, ttl = EXCLUDED.ttl,
@@ -17,14 +18,14 @@ ON CONFLICT (resource) DO UPDATE
 RETURNING resource, holder, token, ttl, acquired_at, renewed_at, expires_at
 
 -- name: lease_renew
--- Extend a live lease by its ttl ($3 seconds, or NULL to keep the stored one),
--- only while $2 is still its token.
+-- Extend a live lease by its ttl (:ttl seconds, or NULL to keep the stored one),
+-- only while :token is still its token.
 UPDATE {schema}.leases AS l
    SET renewed_at = n.t,
-       ttl = coalesce(make_interval(secs => $3), l.ttl),
-       expires_at = n.t + coalesce(make_interval(secs => $3), l.ttl)
+       ttl = coalesce(make_interval(secs => :ttl), l.ttl),
+       expires_at = n.t + coalesce(make_interval(secs => :ttl), l.ttl)
   FROM (SELECT clock_timestamp() AS t) AS n
- WHERE l.resource = $1 AND l.token = $2 AND l.expires_at > n.t
+ WHERE l.resource = :resource AND l.token = :token AND l.expires_at > n.t
 RETURNING l.resource, l.holder, l.token, l.ttl, l.acquired_at, l.renewed_at, l.expires_at
 
 -- name: lease_release
@@ -32,20 +33,32 @@ RETURNING l.resource, l.holder, l.token, l.ttl, l.acquired_at, l.renewed_at, l.e
 UPDATE {schema}.leases AS l
    SET expires_at = n.t, released_at = n.t
   FROM (SELECT clock_timestamp() AS t) AS n
- WHERE l.resource = $1 AND l.token = $2 AND l.expires_at > n.t
+ WHERE l.resource = :resource AND l.token = :token AND l.expires_at > n.t
 RETURNING l.released_at
 
 -- name: lease_fence
 -- The fence: a conditional UPDATE in the caller's transaction.  A row comes
--- back only while $2 is the token and the lease is live; the row lock it takes
+-- back only while :token is the token and the lease is live; the row lock it takes
 -- makes a takeover wait until that transaction ends.
 UPDATE {schema}.leases
    SET token = token
- WHERE resource = $1 AND token = $2 AND expires_at > clock_timestamp()
+ WHERE resource = :resource AND token = :token AND expires_at > clock_timestamp()
 RETURNING expires_at
 
 -- name: lease_get
 SELECT resource, holder, token, ttl, acquired_at, renewed_at, expires_at, released_at,
        expires_at > clock_timestamp() AS live
   FROM {schema}.leases
- WHERE resource = $1
+ WHERE resource = :resource
+
+-- name: fenced_upsert
+-- A template, completed by dedup/_leases.py for one table (dedup.Leases'
+-- fenced_upsert): insert the row, or update it only while the stored token is
+-- not newer than this writer's.  {table}, {columns}, {keys}, {updated}, {fence}
+-- are quoted identifiers, {excluded} the same columns as EXCLUDED.<column>, and
+-- {values} their named parameters (one per column, named after it).  A refused
+-- write returns no row.
+INSERT INTO {table} AS cur ({columns}) VALUES ({values})
+ON CONFLICT ({keys}) DO UPDATE SET ({updated}) = ROW({excluded})
+ WHERE cur.{fence} <= EXCLUDED.{fence}
+RETURNING 1
