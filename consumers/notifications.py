@@ -107,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Dispatcher settings whose flag has the same name (--claim-ttl is claim_ttl).
+_DISPATCHER_OPTIONS = ("holder", "claim_ttl", "retry_base", "retry_max", "poll_interval", "timeout")
+
+
 async def dispatch(args: argparse.Namespace) -> int:
     """Run one dispatcher until SIGTERM or SIGINT."""
     async with service.started(args, "notifications-dispatcher", SERVICE.components) as go_on:
@@ -119,15 +123,10 @@ async def dispatch(args: argparse.Namespace) -> int:
                 dispatcher = outbox.Dispatcher(
                     pool,
                     receiver_url=url,
-                    holder=args.holder,
                     batch_size=args.dispatch_batch,
-                    claim_ttl=args.claim_ttl,
                     max_attempts=args.send_attempts,
-                    retry_base=args.retry_base,
-                    retry_max=args.retry_max,
-                    poll_interval=args.poll_interval,
-                    timeout=args.timeout,
                     after_send=_hold if os.environ.get(HOLD_AFTER_SEND) else None,
+                    **{o: getattr(args, o) for o in _DISPATCHER_OPTIONS},
                 )
             except ValueError as exc:
                 raise dedup.ConfigurationError(str(exc)) from exc

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 import dedup
 from consumers import otel
 
@@ -158,16 +156,13 @@ async def migrate(
 
 
 async def connect(dsn: str, *, max_size: int = 4) -> Any:
-    """An asyncpg pool for a service's own queries (no custom codecs: JSON travels as text)."""
-    try:
-        return await asyncpg.create_pool(
-            dsn,
-            min_size=1,
-            max_size=max_size,
-            server_settings={"application_name": "dedup-consumers"},
-        )
-    except (OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise dedup.ServiceUnavailableError(f"cannot connect to Postgres: {exc}") from exc
+    """dedup's pool (``dedup.create_pool``) for a service's own queries, named in pg_stat_activity.
+
+    The services send and read JSON as text, so the pool's codecs don't matter.
+    """
+    return await dedup.create_pool(
+        dsn, max_size=max_size, server_settings={"application_name": "dedup-consumers"}
+    )
 
 
 @contextlib.asynccontextmanager

@@ -133,17 +133,11 @@ async def main(argv: list[str]) -> int:
         if not go_on:
             return 0
         # Exactly what `dedup task run consumers.statements:job` does from here on.
+        options = {
+            o: getattr(args, o) for o in ("dsn", "schema", "holder", "max_attempts", "force")
+        }
         return await dedup.run_task(
-            job,
-            task=TASK,
-            key=args.date,
-            dsn=args.dsn,
-            schema=args.schema,
-            holder=args.holder,
-            max_attempts=args.max_attempts,
-            lease_ttl=args.ttl,
-            force=args.force,
-            prog="statements",
+            job, task=TASK, key=args.date, lease_ttl=args.ttl, prog="statements", **options
         )
 
 

@@ -11,6 +11,7 @@ import importlib.metadata
 
 from dedup import keys
 from dedup._consumer import IdempotentConsumer, claim, wrap
+from dedup._db import create_pool
 from dedup._errors import (
     ConfigurationError,
     DedupError,
@@ -64,6 +65,7 @@ __all__ = [
     "Tx",
     "UndecodableBatchError",
     "claim",
+    "create_pool",
     "default_holder",
     "fenced_upsert",
     "keys",

@@ -80,6 +80,11 @@ class Lease:
     """For the audit trail: the business key the lease serves."""
 
 
+def _identity(lease: Lease) -> dict[str, Any]:
+    """The fields of an event that say which lease, and whose, it is about."""
+    return {f: getattr(lease, f) for f in ("namespace", "key", "resource", "holder", "token")}
+
+
 LostCallback = Callable[[Lease, errors.StaleTokenError], object]
 """Called once when a held lease is lost; may return an awaitable."""
 
@@ -151,18 +156,7 @@ class Leases:
         await events.record(
             conn,
             self.schema,
-            [
-                events.Event(
-                    subject="lease",
-                    kind=kind,
-                    namespace=lease.namespace,
-                    key=lease.key,
-                    resource=lease.resource,
-                    holder=lease.holder,
-                    token=lease.token,
-                    detail=detail,
-                )
-            ],
+            [events.Event(subject="lease", kind=kind, detail=detail, **_identity(lease))],
         )
 
     async def acquire(

@@ -8,10 +8,11 @@ task's lease, :class:`TaskOutcome` what :meth:`dedup.TaskRunner.run` returns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import asyncpg
@@ -51,7 +52,7 @@ def resource_for(task: str, business_key: str) -> str:
     return f"task:{task}:{business_key}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TaskOutcome:
     """What :meth:`TaskRunner.run` did for one (task, business key)."""
 
@@ -76,6 +77,7 @@ class TaskOutcome:
     """Why it failed, or why it was stopped (lost lease)."""
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class TaskRun:
     """One run of a job under its lease: the token, and ways to write under it.
 
@@ -84,33 +86,26 @@ class TaskRun:
     in the same transaction as the writes that make it so.
     """
 
-    def __init__(
-        self,
-        *,
-        task: str,
-        business_key: str,
-        lease: leases.Lease,
-        attempt: int,
-        forced: bool,
-        pool: Any,
-        leases_: leases.Leases,
-    ) -> None:
-        self.task = task
-        """The task code."""
-        self.business_key = business_key
-        """The business key."""
-        self.lease = lease
-        """The lease this run holds."""
-        self.attempt = attempt
-        """The task's attempt number of this run (1 for the first)."""
-        self.forced = forced
-        """The run was forced (``force=True``)."""
-        self.pool = pool
-        """The runner's asyncpg pool, for the job's own queries."""
-        self.lost: errors.StaleTokenError | None = None
-        """Set when the lease was lost: stop writing."""
-        self._leases = leases_
-        self._q = sql.Queries(leases_.schema)
+    task: str
+    """The task code."""
+    business_key: str
+    """The business key."""
+    lease: leases.Lease
+    """The lease this run holds."""
+    attempt: int
+    """The task's attempt number of this run (1 for the first)."""
+    forced: bool
+    """The run was forced (``force=True``)."""
+    pool: Any
+    """The runner's asyncpg pool, for the job's own queries."""
+    lease_book: leases.Leases = dataclasses.field(repr=False)
+    """The :class:`dedup.Leases` of the runner, which renews and fences the lease."""
+    lost: errors.StaleTokenError | None = dataclasses.field(default=None, init=False)
+    """Set when the lease was lost: stop writing."""
+
+    @functools.cached_property
+    def _q(self) -> sql.Queries:
+        return sql.Queries(self.lease_book.schema)
 
     @property
     def token(self) -> int:
@@ -134,28 +129,20 @@ class TaskRun:
         conditional UPDATE of the lease row, which also makes any takeover wait
         until your transaction ends.  On the error, let the transaction roll back.
         """
-        await self._leases.check(conn, self.lease)
+        await self.lease_book.check(conn, self.lease)
 
     def outcome(self, status: Status, result: Any, error: str | None) -> TaskOutcome:
         """The :class:`TaskOutcome` of this run."""
-        return TaskOutcome(
-            status=status,
-            task=self.task,
-            business_key=self.business_key,
-            token=self.token,
-            attempts=self.attempt,
-            holder=self.holder,
-            forced=self.forced,
-            result=result,
-            error=error,
-        )
+        # In TaskOutcome's field order: status, task, key, token, attempts, holder, forced.
+        found = (self.task, self.business_key, self.token, self.attempt, self.holder)
+        return TaskOutcome(status, *found, self.forced, result, error)
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
         """A connection in a transaction that commits only if the fence holds at the end."""
         async with (
             self.pool.acquire() as conn,
-            db.transaction(conn, self._leases.transaction_settings),
+            db.transaction(conn, self.lease_book.transaction_settings),
         ):
             yield conn
             await self.fence(conn)
@@ -183,11 +170,11 @@ class TaskRun:
             error=None,
         )
         if attempts is None:
-            raise await self._leases.stale_error(conn, self.lease)
+            raise await self.lease_book.stale_error(conn, self.lease)
         await self.fence(conn)
         await events.record(
             conn,
-            self._leases.schema,
+            self.lease_book.schema,
             [
                 event(
                     self,

@@ -226,7 +226,7 @@ class TaskRunner:
                 ),
                 forced=force,
                 pool=pool,
-                leases_=lease_book,
+                lease_book=lease_book,
             )
             await events.record(conn, self.schema, [_started(run, row)])
             return run
@@ -329,7 +329,7 @@ class TaskRunner:
         error: BaseException | None = None
         result: object = None
         async with run.pool.acquire() as watchdog_conn:
-            watchdog = run._leases.watch(run.lease, lost, every=every, conn=watchdog_conn)
+            watchdog = run.lease_book.watch(run.lease, lost, every=every, conn=watchdog_conn)
             async with watchdog:
                 try:
                     result = await job_task
@@ -362,7 +362,7 @@ class TaskRunner:
         try:
             async with (
                 run.pool.acquire() as conn,
-                db.transaction(conn, run._leases.transaction_settings),
+                db.transaction(conn, run.lease_book.transaction_settings),
             ):
                 attempts = await self._q.task_finish.fetchval(
                     conn, **keys, token=run.token, state=state, result=text, error=error
@@ -370,7 +370,7 @@ class TaskRunner:
                 if attempts is None:
                     row = await self._q.task_get.fetchrow(conn, **keys)
                     if row["state"] != TaskState.SUCCEEDED or row["token"] != run.token:
-                        raise await run._leases.stale_error(conn, run.lease)
+                        raise await run.lease_book.stale_error(conn, run.lease)
                     # The job completed the task itself (TaskRun.complete).
                     stored, error = task_run.stored_result(row), None
                 else:
@@ -384,7 +384,7 @@ class TaskRunner:
                         error=error,
                     )
                     await events.record(conn, self.schema, [event])
-                await run._leases.release(run.lease, conn=conn)
+                await run.lease_book.release(run.lease, conn=conn)
         except errors.StaleTokenError as exc:
             return await self._lost(run, exc, reported=run.lost is not None)
         return run.outcome("failed" if error is not None else "succeeded", stored, error)
@@ -394,7 +394,7 @@ class TaskRunner:
     ) -> task_run.TaskOutcome:
         """The run lost its lease: nothing more is written for it, the task belongs to another."""
         if not reported:
-            await run._leases.report_lost(run.lease, error)
+            await run.lease_book.report_lost(run.lease, error)
         return run.outcome("failed", None, str(error))
 
 
