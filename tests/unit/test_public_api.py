@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import os
 import pkgutil
+import re
+import socket
 import tomllib
 
 import pytest
@@ -87,3 +90,15 @@ def test_modules_other_than_keys_are_private() -> None:
         if not m.name.startswith("_") and m.name != "keys"
     )
     assert public == []
+
+
+def test_task_states_are_the_strings_stored_in_postgres() -> None:
+    assert [str(s) for s in dedup.TaskState] == ["pending", "running", "succeeded", "failed"]
+    assert dedup.TaskState("running") is dedup.TaskState.RUNNING
+
+
+def test_default_holder_is_host_pid_and_six_hex_digits() -> None:
+    first, second = dedup.default_holder(), dedup.default_holder()
+    pattern = rf"{re.escape(socket.gethostname())}:{os.getpid()}:[0-9a-f]{{6}}"
+    assert re.fullmatch(pattern, first), first
+    assert first != second  # two holders of one process differ
