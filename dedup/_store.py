@@ -202,22 +202,12 @@ class Store:
         transactions, compacted gaps).  Raises :class:`dedup.StaleTokenError`
         when the fence does not hold.
         """
-        spot: dict[str, Any] = {
-            "conn": conn,
-            "fence": fence,
-            "topic": topic,
-            "partition": partition,
-        }
+        spot = dict(conn=conn, fence=fence, topic=topic, partition=partition)
         spot["next_offset"] = next_offset
         await faults.point(faults.Point.BEFORE_FENCE, **spot)
+        where = dict(group_id=fence.group_id, topic=topic, partition=partition)
         fenced = await self.queries.advance_partition.fetchval(
-            conn,
-            group_id=fence.group_id,
-            topic=topic,
-            partition=partition,
-            next_offset=next_offset,
-            token=fence.token,
-            expected=fence.expected,
+            conn, **where, next_offset=next_offset, token=fence.token, expected=fence.expected
         )
         await faults.point(faults.Point.AFTER_FENCE, **spot)
         if fenced is None:

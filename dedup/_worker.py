@@ -50,6 +50,9 @@ MAX_BACKOFF = 5.0
 MIN_QUEUED = 64
 """Records a worker may hold besides its batch in flight, however small ``batch_size`` is."""
 
+Msgs = list[message_.Message]
+Dead = list[store.DeadLetter]
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -215,9 +218,7 @@ class PartitionWorker:
         finally:
             self.in_flight = []
 
-    async def _apply_retrying(
-        self, msgs: list[message_.Message], dead: list[store.DeadLetter]
-    ) -> bool:
+    async def _apply_retrying(self, msgs: Msgs, dead: Dead) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
         delay = 0.1
         alone = shared = False
@@ -321,12 +322,7 @@ class PartitionWorker:
         self.expected = to
         return True
 
-    async def _apply_isolating(
-        self,
-        lane: lanes.Lane,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> None:
+    async def _apply_isolating(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> None:
         """Apply a batch; on a handler error, split it to find and dead-letter the culprit."""
         failure = await self._try_transaction(lane, msgs, dead)
         if failure is None:
@@ -358,12 +354,7 @@ class PartitionWorker:
         )
         await self._transaction(lane, [], [*dead, letter])
 
-    async def _try_transaction(
-        self,
-        lane: lanes.Lane,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> Exception | None:
+    async def _try_transaction(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> Exception | None:
         """Run one transaction; return the handler's error, raise anything retriable or stale."""
         started = time.monotonic()
         try:
@@ -392,12 +383,7 @@ class PartitionWorker:
         lost = isinstance(exc, asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError)
         return lost and time.monotonic() - started >= self._s.idle_timeout
 
-    async def _transaction(
-        self,
-        lane: lanes.Lane,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> None:
+    async def _transaction(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> None:
         fence = store.Fence(self._s.group_id, self.token, self.expected)
         result = await batch.transaction(
             lane, self._s, self._lanes.serial, self.tp, fence, msgs, dead, self._stats
