@@ -269,7 +269,7 @@ class IdempotentConsumer:
         self.handler_timeout = handler_timeout
         self.kafka_commit_interval = kafka_commit_interval
         self.store = store.Store(  # validates the schema name and the conflict policy
-            schema_name=schema, namespace=self.namespace, conflict_policy=on_conflict
+            schema=schema, namespace=self.namespace, on_conflict=on_conflict
         )
         self._dsn = dsn
         self._pool_options = pool_options
@@ -428,7 +428,7 @@ class IdempotentConsumer:
 
     async def _check_schema(self) -> None:
         """Refuse a schema that lacks a migration this dedup needs (it names the migration)."""
-        await migrations.check(self._pool, schema_name=self.store.schema_name)
+        await migrations.check(self._pool, schema_name=self.store.schema)
 
     async def _shutdown(self) -> None:
         """Stop within ``shutdown_timeout`` (plus a few seconds), whatever the handlers do."""
@@ -831,7 +831,7 @@ def wrap(
     """
     _check_handler(handler)
     _check_key(key)
-    writes = store.Store(schema_name=schema, namespace=namespace, conflict_policy=on_conflict)
+    writes = store.Store(schema=schema, namespace=namespace, on_conflict=on_conflict)
 
     async def handle(record: Any) -> message_.Outcome:
         msg = message_.Message.from_record(record)
@@ -882,7 +882,7 @@ async def claim(
     """
     _check_key(key)
     _check_missing_key(on_missing_key)
-    writes = store.Store(schema_name=schema, namespace=namespace, conflict_policy=on_conflict)
+    writes = store.Store(schema=schema, namespace=namespace, on_conflict=on_conflict)
     driver = await drivers.in_transaction(conn, "dedup.claim")
     msgs: list[message_.Message] = []
     dead: list[store.DeadLetter] = []

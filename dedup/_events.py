@@ -7,6 +7,7 @@ span (see :mod:`dedup.telemetry`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,16 +17,6 @@ import orjson
 
 from dedup import _sql as sql
 from dedup import _telemetry as telemetry
-
-_INSERT = """
-INSERT INTO {schema}.events
-    (subject, kind, namespace, key, resource, holder, token, from_state, to_state,
-     trace_id, detail)
-SELECT s, k, n, ik, r, h, t, f, tt, tr, d::jsonb
-  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-              $6::text[], $7::bigint[], $8::text[], $9::text[], $10::text[],
-              $11::text[]) AS x(s, k, n, ik, r, h, t, f, tt, tr, d)
-"""
 
 
 @dataclass(frozen=True)
@@ -70,25 +61,32 @@ class Event:
         return attrs
 
 
-async def record(conn: asyncpg.Connection, schema_name: str, events: Sequence[Event]) -> None:
+async def record(conn: asyncpg.Connection, schema: str, events: Sequence[Event]) -> None:
     """Write ``events`` in one statement on ``conn`` and add them to the current span."""
     if not events:
         return
     for event in events:
         telemetry.transition(event.kind, event.span_attributes())
     trace_id = telemetry.current_trace_id()
-    await conn.execute(
-        sql.render(_INSERT, schema_name),
-        [e.subject for e in events],
-        [e.kind for e in events],
-        [e.namespace for e in events],
-        [e.key for e in events],
-        [e.resource for e in events],
-        [e.holder for e in events],
-        [e.token for e in events],
-        [e.from_state for e in events],
-        [e.to_state for e in events],
-        [trace_id] * len(events),
+    await _insert(schema).execute(
+        conn,
+        subjects=[e.subject for e in events],
+        kinds=[e.kind for e in events],
+        namespaces=[e.namespace for e in events],
+        keys=[e.key for e in events],
+        resources=[e.resource for e in events],
+        holders=[e.holder for e in events],
+        tokens=[e.token for e in events],
+        from_states=[e.from_state for e in events],
+        to_states=[e.to_state for e in events],
+        trace_ids=[trace_id] * len(events),
         # As text, cast in SQL: the json codecs belong to the pool's owner.
-        [orjson.dumps(dict(e.detail)).decode() for e in events],
+        details=[orjson.dumps(dict(e.detail)).decode() for e in events],
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _insert(schema: str) -> sql.Query:
+    """The events INSERT for ``schema``, rendered once (it runs on the hot path)."""
+    query: sql.Query = sql.Queries(schema).record_events
+    return query

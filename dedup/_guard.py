@@ -15,6 +15,7 @@ still open, whatever way it was ended.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -25,6 +26,17 @@ _ENDS_TRANSACTION = re.compile(
     r"(commit|end|abort|prepare\s+transaction|rollback(?!\s+to\b))\b", re.IGNORECASE
 )
 _DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
+
+
+def _checked(name: str) -> Callable[..., Awaitable[Any]]:
+    """A method that checks its statement, then runs the connection's method ``name``."""
+
+    async def method(self: GuardedConnection, query: str, *args: Any, **kwargs: Any) -> Any:
+        check_statement(query)
+        return await getattr(self._conn, name)(query, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 class GuardedConnection:
@@ -44,33 +56,14 @@ class GuardedConnection:
     def __repr__(self) -> str:
         return f"<dedup transaction on {self._conn!r}>"
 
-    async def execute(self, query: str, *args: Any, **kwargs: Any) -> Any:
-        check_statement(query)
-        return await self._conn.execute(query, *args, **kwargs)
-
-    async def executemany(self, command: str, args: Any, **kwargs: Any) -> Any:
-        check_statement(command)
-        return await self._conn.executemany(command, args, **kwargs)
-
-    async def fetch(self, query: str, *args: Any, **kwargs: Any) -> Any:
-        check_statement(query)
-        return await self._conn.fetch(query, *args, **kwargs)
-
-    async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
-        check_statement(query)
-        return await self._conn.fetchrow(query, *args, **kwargs)
-
-    async def fetchval(self, query: str, *args: Any, **kwargs: Any) -> Any:
-        check_statement(query)
-        return await self._conn.fetchval(query, *args, **kwargs)
-
-    async def fetchmany(self, query: str, args: Any, **kwargs: Any) -> Any:
-        check_statement(query)
-        return await self._conn.fetchmany(query, args, **kwargs)
-
-    async def prepare(self, query: str, **kwargs: Any) -> Any:
-        check_statement(query)
-        return await self._conn.prepare(query, **kwargs)
+    # Each runs the connection's own method once the statement passed the check.
+    execute = _checked("execute")
+    executemany = _checked("executemany")
+    fetch = _checked("fetch")
+    fetchrow = _checked("fetchrow")
+    fetchval = _checked("fetchval")
+    fetchmany = _checked("fetchmany")
+    prepare = _checked("prepare")
 
     def cursor(self, query: str, *args: Any, **kwargs: Any) -> Any:
         check_statement(query)

@@ -6,7 +6,8 @@ The caller opens the transaction; :meth:`Store.apply` then, on that connection:
    offset moves only under the current token, and the batch's keys are claimed
    with one set-based ``INSERT ... ON CONFLICT``;
 2. runs the handler for the fresh keys only, in offset order;
-3. writes dead letters and the events of duplicates, conflicts and dead letters.
+3. writes dead letters and the events of conflicts and dead letters
+   (:mod:`dedup._outcomes`).
 
 If the fence fails nothing was written and :class:`dedup.StaleTokenError` is
 raised, so the caller's transaction rolls back.
@@ -14,11 +15,9 @@ raised, so the caller's transaction rolls back.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,20 +25,16 @@ import asyncpg
 
 from dedup import _errors as errors
 from dedup import _events as events
-from dedup import _guard as guard
+from dedup import _faults as faults
+from dedup import _handler as handler_
 from dedup import _message as message_
+from dedup import _outcomes as outcomes
 from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
 log = logging.getLogger("dedup.store")
 
-MessageHandler = Callable[[message_.Message, message_.Tx], Awaitable[object]]
-BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]]
-
 CONFLICT_POLICIES = ("dead_letter", "record")
-
-DUPLICATE_KEYS_SHOWN = 20
-"""How many keys a batch's ``dedup.duplicate`` span event lists (its count has them all)."""
 
 
 def payload_hash(value: bytes) -> bytes:
@@ -99,21 +94,15 @@ class BatchResult:
 class Store:
     """dedup's writes for one namespace, rendered for one schema."""
 
-    def __init__(
-        self,
-        *,
-        schema_name: str,
-        namespace: str,
-        conflict_policy: str = "dead_letter",
-    ) -> None:
-        if conflict_policy not in CONFLICT_POLICIES:
+    def __init__(self, *, schema: str, namespace: str, on_conflict: str = "dead_letter") -> None:
+        if on_conflict not in CONFLICT_POLICIES:
             raise errors.ConfigurationError(
-                f"on_conflict={conflict_policy!r}: expected one of {', '.join(CONFLICT_POLICIES)}"
+                f"on_conflict={on_conflict!r}: expected one of {', '.join(CONFLICT_POLICIES)}"
             )
-        self.schema_name = schema_name
+        self.schema = schema
         self.namespace = namespace
-        self.conflict_policy = conflict_policy
-        self.queries = sql.Queries(schema_name)
+        self.on_conflict = on_conflict
+        self.queries = sql.Queries(schema)
 
     async def take_partitions(
         self,
@@ -123,17 +112,17 @@ class Store:
         partitions: Sequence[tuple[str, int]],
     ) -> dict[tuple[str, int], tuple[int, int | None]]:
         """Take ``partitions`` with fresh tokens; return ``{(topic, p): (token, next_offset)}``."""
-        rows = await conn.fetch(
-            self.queries.take_partitions,
-            group_id,
-            holder,
-            [t for t, _ in partitions],
-            [p for _, p in partitions],
+        rows = await self.queries.take_partitions.fetch(
+            conn,
+            group_id=group_id,
+            holder=holder,
+            topics=[t for t, _ in partitions],
+            partitions=[p for _, p in partitions],
         )
         taken = {(r["topic"], r["partition"]): (r["token"], r["next_offset"]) for r in rows}
         await events.record(
             conn,
-            self.schema_name,
+            self.schema,
             [
                 events.Event(
                     "partition",
@@ -153,27 +142,56 @@ class Store:
         self, conn: asyncpg.Connection, group_id: str, topic: str, partition: int
     ) -> Position | None:
         """Who holds the partition and where its offset stands, or None if it has no row."""
-        row = await conn.fetchrow(self.queries.partition_position, group_id, topic, partition)
+        row = await self.queries.partition_position.fetchrow(
+            conn, group_id=group_id, topic=topic, partition=partition
+        )
         return None if row is None else Position(row["holder"], row["token"], row["next_offset"])
 
     async def positions(
         self, conn: asyncpg.Connection, group_id: str, partitions: Sequence[tuple[str, int]]
     ) -> dict[tuple[str, int], Position]:
-        """:meth:`position` of each of ``partitions`` that has a row, in one statement."""
-        rows = await conn.fetch(
-            self.queries.partition_positions,
-            group_id,
-            [t for t, _ in partitions],
-            [p for _, p in partitions],
+        """:meth:`position` of each of ``partitions`` that has a row, in one statement.
+
+        The consumer's periodic owner look (fault point ``OWNER_LOOK``).
+        """
+        await faults.point(
+            faults.Point.OWNER_LOOK, conn=conn, group_id=group_id, partitions=partitions
+        )
+        rows = await self.queries.partition_positions.fetch(
+            conn,
+            group_id=group_id,
+            topics=[t for t, _ in partitions],
+            partitions=[p for _, p in partitions],
         )
         return {
             (r["topic"], r["partition"]): Position(r["holder"], r["token"], r["next_offset"])
             for r in rows
         }
 
+    async def stale_rejected(
+        self,
+        conn: asyncpg.Connection,
+        resource: str,
+        *,
+        holder: str,
+        token: int,
+        expected: int | None,
+    ) -> None:
+        """Record that ``resource``'s fence refused ``holder``'s write under ``token``."""
+        event = events.Event(
+            "partition",
+            "stale_rejected",
+            namespace=self.namespace,
+            resource=resource,
+            holder=holder,
+            token=token,
+            detail={"expected_offset": expected},
+        )
+        await events.record(conn, self.schema, [event])
+
     async def serialize(self, conn: asyncpg.Connection, group_id: str) -> None:
         """Wait, inside the open transaction, until no other serial batch of the group runs."""
-        await conn.execute(self.queries.serialize_group, group_id)
+        await self.queries.serialize_group.execute(conn, group_id=group_id)
 
     async def advance(
         self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, next_offset: int
@@ -184,16 +202,15 @@ class Store:
         transactions, compacted gaps).  Raises :class:`dedup.StaleTokenError`
         when the fence does not hold.
         """
-        done = await conn.execute(
-            self.queries.advance_partition,
-            fence.group_id,
-            topic,
-            partition,
-            next_offset,
-            fence.token,
-            fence.expected,
+        spot = dict(conn=conn, fence=fence, topic=topic, partition=partition)
+        spot["next_offset"] = next_offset
+        await faults.point(faults.Point.BEFORE_FENCE, **spot)
+        where = dict(group_id=fence.group_id, topic=topic, partition=partition)
+        fenced = await self.queries.advance_partition.fetchval(
+            conn, **where, next_offset=next_offset, token=fence.token, expected=fence.expected
         )
-        if done != "UPDATE 1":
+        await faults.point(faults.Point.AFTER_FENCE, **spot)
+        if fenced is None:
             raise errors.StaleTokenError(f"{fence.group_id}:{topic}:{partition}", fence.token)
 
     async def apply(
@@ -201,11 +218,10 @@ class Store:
         conn: asyncpg.Connection,
         msgs: Sequence[message_.Message],
         *,
-        handler: MessageHandler | BatchHandler,
+        handler: handler_.MessageHandler | handler_.BatchHandler,
         batch_handler: bool,
         fence: Fence | None,
         dead: Sequence[DeadLetter] = (),
-        group_id: str | None = None,
         handler_timeout: float | None = None,
         idle_timeout: float | None = None,
         lock_timeout: float | None = None,
@@ -225,47 +241,48 @@ class Store:
             return result
         result.next_offset = max(offsets) + 1
         any_msg = msgs[0] if msgs else dead[0].msg
+        spot: dict[str, Any] = {"conn": conn, "fence": fence, "topic": any_msg.topic}
+        spot.update(partition=any_msg.partition, next_offset=result.next_offset)
+        if fence is not None:
+            await faults.point(faults.Point.BEFORE_FENCE, **spot)
         # Claim in key order: two batches that share keys then lock them in the
         # same order and can't deadlock.
         keys = sorted(first)
-        rows = await conn.fetch(
-            self.queries.fence_and_claim,
-            fence.group_id if fence else None,
-            any_msg.topic,
-            any_msg.partition,
-            result.next_offset,
-            fence.token if fence else None,
-            fence.expected if fence else None,
-            self.namespace,
-            keys,
-            [first[k][0].offset for k in keys],
-            [first[k][1] for k in keys],
-            _milliseconds(idle_timeout),
-            _milliseconds(lock_timeout),
+        rows = await self.queries.fence_and_claim.fetch(
+            conn,
+            group_id=fence.group_id if fence else None,
+            topic=any_msg.topic,
+            partition=any_msg.partition,
+            next_offset=result.next_offset,
+            token=fence.token if fence else None,
+            expected=fence.expected if fence else None,
+            namespace=self.namespace,
+            keys=keys,
+            offsets=[first[k][0].offset for k in keys],
+            hashes=[first[k][1] for k in keys],
+            idle_timeout_ms=_milliseconds(idle_timeout),
+            lock_timeout_ms=_milliseconds(lock_timeout),
         )
-        if fence is not None and rows[0]["fenced"] == 0:
-            raise errors.StaleTokenError(
-                f"{fence.group_id}:{any_msg.topic}:{any_msg.partition}", fence.token
-            )
+        if fence is not None:
+            await faults.point(faults.Point.AFTER_FENCE, **spot)
+            if rows[0]["fenced"] == 0:
+                raise errors.StaleTokenError(
+                    f"{fence.group_id}:{any_msg.topic}:{any_msg.partition}", fence.token
+                )
         await self._sort_claimed(conn, result, rows, first, copies)
-
         if result.applied:
-            tx = message_.Tx(conn=guard.GuardedConnection(conn), token=fence.token if fence else 0)
-            if batch_handler:
-                await call_handler(handler(result.applied, tx), conn, handler_timeout)  # type: ignore[arg-type]
-            else:
-                for msg in result.applied:
-                    try:
-                        await call_handler(handler(msg, tx), conn, handler_timeout)  # type: ignore[arg-type]
-                    except Exception as exc:
-                        with contextlib.suppress(AttributeError):
-                            exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
-                        raise
-
+            await handler_.run(
+                handler,
+                batch_handler=batch_handler,
+                msgs=result.applied,
+                conn=conn,
+                token=fence.token if fence else 0,
+                deadline_s=handler_timeout,
+            )
             telemetry.transition(
                 "applied", {"namespace": self.namespace, "count": len(result.applied)}
             )
-        await self._record(conn, result, fence, group_id)
+        await outcomes.record(conn, self.queries, self.namespace, result, fence)
         return result
 
     async def claim(
@@ -288,30 +305,18 @@ class Store:
         if first:
             keys = sorted(first)  # key order: concurrent claims can't deadlock
             found = [first[k][0] for k in keys]
-            rows = await conn.fetch(
-                self.queries.claim_keys,
-                self.namespace,
-                keys,
-                [m.topic for m in found],
-                [m.partition for m in found],
-                [m.offset for m in found],
-                [first[k][1] for k in keys],
+            rows = await self.queries.claim_keys.fetch(
+                conn,
+                namespace=self.namespace,
+                keys=keys,
+                topics=[m.topic for m in found],
+                partitions=[m.partition for m in found],
+                offsets=[m.offset for m in found],
+                hashes=[first[k][1] for k in keys],
             )
             await self._sort_claimed(conn, result, rows, first, copies)
-        await self._record(conn, result, None, None)
+        await outcomes.record(conn, self.queries, self.namespace, result, None)
         return result
-
-    async def _record(
-        self,
-        conn: asyncpg.Connection,
-        result: BatchResult,
-        fence: Fence | None,
-        group_id: str | None,
-    ) -> None:
-        """Write the batch's dead letters, and the events of its conflicts and dead letters."""
-        if result.dead_letters:
-            await self._dead_letter(conn, result.dead_letters, fence, group_id)
-        await events.record(conn, self.schema_name, self._events(result, fence))
 
     async def _sort_claimed(
         self,
@@ -373,17 +378,17 @@ class Store:
             duplicate = self._classify(result, msg, digest, stored[msg.idempotency_key])
             counts.setdefault(msg.idempotency_key, [0, 0])[0 if duplicate else 1] += 1
         keys = sorted(counts)
-        await conn.execute(
-            self.queries.count_copies,
-            self.namespace,
-            keys,
-            [counts[k][0] for k in keys],
-            [counts[k][1] for k in keys],
+        await self.queries.count_copies.execute(
+            conn,
+            namespace=self.namespace,
+            keys=keys,
+            duplicates=[counts[k][0] for k in keys],
+            conflicts=[counts[k][1] for k in keys],
         )
 
     def _conflict(self, result: BatchResult, msg: message_.Message, original: str) -> None:
         result.conflicts.append(msg)
-        if self.conflict_policy == "dead_letter":
+        if self.on_conflict == "dead_letter":
             result.dead_letters.append(
                 DeadLetter(
                     msg,
@@ -391,70 +396,6 @@ class Store:
                     "with a different payload",
                 )
             )
-
-    async def _dead_letter(
-        self,
-        conn: asyncpg.Connection,
-        dead: Sequence[DeadLetter],
-        fence: Fence | None,
-        group_id: str | None,
-    ) -> None:
-        await conn.executemany(
-            self.queries.dead_letter,
-            [
-                (
-                    self.namespace,
-                    fence.group_id if fence else group_id,
-                    d.msg.topic,
-                    d.msg.partition,
-                    d.msg.offset,
-                    d.msg.timestamp,
-                    d.msg.key,
-                    None if d.msg.tombstone else d.msg.value,  # a tombstone stays null
-                    [name for name, _ in d.msg.raw_headers],
-                    [value for _, value in d.msg.raw_headers],
-                    d.msg.idempotency_key or None,
-                    d.reason,
-                    d.error,
-                    d.attempts,
-                    fence.token if fence else None,
-                )
-                for d in dead
-            ],
-        )
-
-    def _events(self, result: BatchResult, fence: Fence | None) -> list[events.Event]:
-        token = fence.token if fence else None
-
-        def event(kind: str, msg: message_.Message, **detail: Any) -> events.Event:
-            return events.Event(
-                "message",
-                kind,
-                namespace=self.namespace,
-                key=msg.idempotency_key or None,
-                resource=f"{msg.topic}:{msg.partition}",
-                token=token,
-                detail={"offset": msg.offset, **detail},
-            )
-
-        # Duplicates are the happy path: counted on the key's row and in one span
-        # event per batch, never written here (a replay would double the writes).
-        if result.duplicates:
-            telemetry.transition(
-                "duplicate",
-                {
-                    "namespace": self.namespace,
-                    "token": token,
-                    "count": len(result.duplicates),
-                    "keys": [m.idempotency_key for m in result.duplicates[:DUPLICATE_KEYS_SHOWN]],
-                },
-            )
-        made = [event("conflict", m) for m in result.conflicts]
-        made += [
-            event("dead_lettered", d.msg, reason=d.reason, attempts=d.attempts)
-            for d in result.dead_letters
-        ]
-        return made
 
 
 def _first_copies(
@@ -472,54 +413,6 @@ def _first_copies(
     return first, copies
 
 
-async def call_handler(
-    call: Awaitable[object], conn: asyncpg.Connection, deadline_s: float | None
-) -> None:
-    """Await one handler call within ``deadline_s`` seconds; leave the transaction open or raise.
-
-    Past the deadline the handler is cancelled and HandlerError raised.  A
-    ``CancelledError`` the handler raises on its own (a cancelled HTTP call,
-    say) is a handler failure too; only a cancellation of dedup's own task
-    (shutdown, revoke) goes through as one.
-    """
-    try:
-        async with asyncio.timeout(deadline_s) as deadline:
-            await call
-    except TimeoutError as exc:
-        if not deadline.expired():
-            raise  # the handler's own TimeoutError: an error like any other
-        raise errors.HandlerError(
-            f"the handler did not finish within handler_timeout={deadline_s:g}s; it was cancelled"
-        ) from exc
-    except asyncpg.InterfaceError as exc:
-        if conn.is_closed():
-            raise  # the connection was lost: retried like any outage
-        # The handler misused the connection (a nested transaction of another
-        # isolation level, say): its fault, not an outage to retry forever.
-        raise errors.HandlerError(f"the handler misused its connection: {exc}") from exc
-    except asyncio.CancelledError as exc:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        raise errors.HandlerError(
-            "the handler raised CancelledError though dedup did not cancel it "
-            "(a timeout or a cancelled call inside the handler?)"
-        ) from exc
-    guard.check_open(conn)
-
-
-def failed_offset(exc: BaseException) -> int | None:
-    """The offset of the message whose (per-message) handler raised ``exc``, if known."""
-    offset = getattr(exc, "_dedup_offset", None)
-    return offset if isinstance(offset, int) else None
-
-
 def _milliseconds(seconds: float | None) -> str | None:
     """A setting's value in ms, as text (None stays None: the session's own value)."""
     return None if seconds is None else str(round(seconds * 1000))
-
-
-def describe(value: Any) -> str:
-    """A short, payload-free description of an exception for dead letters and logs."""
-    text = f"{type(value).__name__}: {value}"
-    return text if len(text) <= 500 else text[:497] + "..."

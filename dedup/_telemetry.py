@@ -42,45 +42,47 @@ Headers = Sequence[tuple[str, "bytes | None"]]
 tracer = trace.get_tracer(INSTRUMENTATION)
 meter = metrics.get_meter(INSTRUMENTATION)
 
-processed = meter.create_counter(
-    "dedup.messages.processed", unit="{message}", description="messages applied once"
+# Counters: what happened to messages, batches, leases and checks.
+(
+    processed,
+    duplicates,
+    conflicts,
+    dead_lettered,
+    stale_rejections,
+    deadlocks,
+    lock_waits,
+    lease_losses,
+    reconcile_mismatches,
+) = (
+    meter.create_counter(name, unit=unit, description=description)
+    for name, unit, description in [
+        ("dedup.messages.processed", "{message}", "messages applied once"),
+        ("dedup.messages.duplicates", "{message}", "redelivered copies suppressed"),
+        ("dedup.messages.conflicts", "{message}", "same key, different payload"),
+        ("dedup.messages.dead_lettered", "{message}", "messages dead-lettered"),
+        ("dedup.stale_rejections", "{batch}", "writes refused by a fencing token"),
+        (
+            "dedup.deadlocks",
+            "{batch}",
+            "batches that deadlocked with another lane and ran again alone",
+        ),
+        (
+            "dedup.lock_waits",
+            "{batch}",
+            "batches that waited past the lanes' lock wait for a row lock and ran again alone",
+        ),
+        ("dedup.lease.losses", "{lease}", "leases lost by their holder"),
+        ("dedup.reconcile.mismatches", "{check}", "reconciliation mismatches"),
+    ]
 )
-duplicates = meter.create_counter(
-    "dedup.messages.duplicates", unit="{message}", description="redelivered copies suppressed"
-)
-conflicts = meter.create_counter(
-    "dedup.messages.conflicts", unit="{message}", description="same key, different payload"
-)
-dead_lettered = meter.create_counter(
-    "dedup.messages.dead_lettered", unit="{message}", description="messages dead-lettered"
-)
-stale_rejections = meter.create_counter(
-    "dedup.stale_rejections", unit="{batch}", description="writes refused by a fencing token"
-)
-deadlocks = meter.create_counter(
-    "dedup.deadlocks",
-    unit="{batch}",
-    description="batches that deadlocked with another lane and ran again alone",
-)
-lock_waits = meter.create_counter(
-    "dedup.lock_waits",
-    unit="{batch}",
-    description="batches that waited past the lanes' lock wait for a row lock and ran again alone",
-)
-lease_losses = meter.create_counter(
-    "dedup.lease.losses", unit="{lease}", description="leases lost by their holder"
-)
-reconcile_mismatches = meter.create_counter(
-    "dedup.reconcile.mismatches", unit="{check}", description="reconciliation mismatches"
-)
-batch_size = meter.create_histogram(
-    "dedup.batch.size", unit="{message}", description="messages per transaction"
-)
-transaction_duration = meter.create_histogram(
-    "dedup.transaction.duration", unit="s", description="time of one batch transaction"
-)
-end_to_end_lag = meter.create_histogram(
-    "dedup.message.lag", unit="s", description="from the record's timestamp to its commit"
+# Histograms: how big, how long, how late.
+batch_size, transaction_duration, end_to_end_lag = (
+    meter.create_histogram(name, unit=unit, description=description)
+    for name, unit, description in [
+        ("dedup.batch.size", "{message}", "messages per transaction"),
+        ("dedup.transaction.duration", "s", "time of one batch transaction"),
+        ("dedup.message.lag", "s", "from the record's timestamp to its commit"),
+    ]
 )
 faults = meter.create_counter(
     "dedup.telemetry.faults",

@@ -33,9 +33,10 @@ from typing import Any
 import asyncpg
 from aiokafka.structs import TopicPartition
 
+from dedup import _batch as batch
 from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
+from dedup import _handler as handler_
 from dedup import _lanes as lanes
 from dedup import _message as message_
 from dedup import _offsets as offsets
@@ -48,6 +49,9 @@ log = logging.getLogger("dedup.worker")
 MAX_BACKOFF = 5.0
 MIN_QUEUED = 64
 """Records a worker may hold besides its batch in flight, however small ``batch_size`` is."""
+
+Msgs = list[message_.Message]
+Dead = list[store.DeadLetter]
 
 
 @dataclass(frozen=True)
@@ -214,9 +218,7 @@ class PartitionWorker:
         finally:
             self.in_flight = []
 
-    async def _apply_retrying(
-        self, msgs: list[message_.Message], dead: list[store.DeadLetter]
-    ) -> bool:
+    async def _apply_retrying(self, msgs: Msgs, dead: Dead) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
         delay = 0.1
         alone = shared = False
@@ -262,7 +264,7 @@ class PartitionWorker:
                         "deadlocked with another lane" if deadlock else "waited too long on a lock",
                     )
                     continue
-                telemetry.transition("retried", {"error": store.describe(exc)})
+                telemetry.transition("retried", {"error": handler_.describe(exc)})
                 log.warning("batch of %s failed (%r); retrying in %.1fs", self.tp, exc, delay)
                 if not await self._sleep(delay):
                     return False  # closing: the batch rolled back and will be redelivered
@@ -320,30 +322,14 @@ class PartitionWorker:
         self.expected = to
         return True
 
-    async def _apply_isolating(
-        self,
-        lane: lanes.Lane,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> None:
+    async def _apply_isolating(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> None:
         """Apply a batch; on a handler error, split it to find and dead-letter the culprit."""
         failure = await self._try_transaction(lane, msgs, dead)
         if failure is None:
             return
         if len(msgs) > 1:
             log.info("handler failed on a batch of %d from %s; splitting", len(msgs), self.tp)
-            parts = _split(msgs, store.failed_offset(failure))
-            # Each part takes the dead letters from its first offset up to the next part's.
-            bounds = [p[0].offset for p in parts[1:]]
-            for i, part in enumerate(parts):
-                low = bounds[i - 1] if i else None
-                high = bounds[i] if i < len(bounds) else None
-                part_dead = [
-                    d
-                    for d in dead
-                    if (low is None or d.msg.offset >= low)
-                    and (high is None or d.msg.offset < high)
-                ]
+            for part, part_dead in batch.split(msgs, dead, handler_.failed_offset(failure)):
                 await self._apply_isolating(lane, part, part_dead)
             return
         msg = msgs[0]
@@ -358,22 +344,17 @@ class PartitionWorker:
             "dead-lettering %s after %d attempts: %s",
             msg.where,
             self._s.max_attempts,
-            store.describe(failure),
+            handler_.describe(failure),
         )
         letter = store.DeadLetter(
             msg,
             f"handler failed {self._s.max_attempts} times",
-            error=store.describe(failure),
+            error=handler_.describe(failure),
             attempts=self._s.max_attempts,
         )
         await self._transaction(lane, [], [*dead, letter])
 
-    async def _try_transaction(
-        self,
-        lane: lanes.Lane,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> Exception | None:
+    async def _try_transaction(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> Exception | None:
         """Run one transaction; return the handler's error, raise anything retriable or stale."""
         started = time.monotonic()
         try:
@@ -402,88 +383,12 @@ class PartitionWorker:
         lost = isinstance(exc, asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError)
         return lost and time.monotonic() - started >= self._s.idle_timeout
 
-    async def _transaction(
-        self,
-        lane: lanes.Lane,
-        msgs: list[message_.Message],
-        dead: list[store.DeadLetter],
-    ) -> None:
-        tp = self.tp
-        batch = len(msgs) + len(dead)
-        attributes: dict[str, Any] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": tp.topic,
-            "messaging.destination.partition.id": str(tp.partition),
-            "messaging.consumer.group.name": self._s.group_id,
-            "messaging.kafka.offset": (msgs or [d.msg for d in dead])[0].offset,
-            "messaging.batch.message_count": batch,
-            "dedup.namespace": self._s.namespace,
-            "dedup.token": self.token,
-        }
-        if batch == 1 and msgs and msgs[0].key is not None:
-            key = telemetry.key_attribute(msgs[0].key)
-            if key is not None:
-                attributes["messaging.kafka.message.key"] = key
-        links, dropped = telemetry.producer_links(m.raw_headers for m in msgs)
-        if dropped:
-            attributes["dedup.links.dropped"] = dropped
-        started = time.perf_counter()
-        with telemetry.consumer_span(f"process {tp.topic}", attributes, links):
-            conn = await lane.connection()
-            with telemetry.client_span(
-                f"BATCH {self._s.store.schema_name}.processed",
-                {
-                    "db.operation.name": "BATCH",
-                    "db.collection.name": "processed",
-                    "db.namespace": self._s.database,
-                    "db.operation.batch.size": batch,
-                },
-            ):
-                async with conn.transaction():
-                    if self._lanes.serial:
-                        # Deadlocked lately: one transaction at a time in the group too.
-                        await self._s.store.serialize(conn, self._s.group_id)
-                    result = await self._s.store.apply(
-                        conn,
-                        msgs,
-                        handler=self._s.handler,
-                        batch_handler=self._s.batch_handler,
-                        fence=store.Fence(self._s.group_id, self.token, self.expected),
-                        dead=dead,
-                        handler_timeout=self._s.handler_timeout,
-                        idle_timeout=self._s.idle_timeout,
-                        lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
-                    )
+    async def _transaction(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> None:
+        fence = store.Fence(self._s.group_id, self.token, self.expected)
+        result = await batch.transaction(
+            lane, self._s, self._lanes.serial, self.tp, fence, msgs, dead, self._stats
+        )
         self.expected = result.next_offset
-        self._count(result, batch, time.perf_counter() - started)
-
-    def _count(self, result: store.BatchResult, batch: int, elapsed: float) -> None:
-        stats = self._stats
-        stats["batches"] += 1
-        stats["messages"] += batch
-        stats["processed"] += len(result.applied)
-        stats["duplicates"] += len(result.duplicates)
-        stats["conflicts"] += len(result.conflicts)
-        stats["dead_lettered"] += len(result.dead_letters)
-        attrs = {"messaging.destination.name": self.tp.topic, "dedup.namespace": self._s.namespace}
-        telemetry.processed.add(len(result.applied), attrs)
-        if result.duplicates:
-            telemetry.duplicates.add(len(result.duplicates), attrs)
-        if result.conflicts:
-            telemetry.conflicts.add(len(result.conflicts), attrs)
-        if result.dead_letters:
-            telemetry.dead_lettered.add(len(result.dead_letters), attrs)
-        for letter in result.dead_letters:
-            # A handler's failures were logged as they happened; these were never tried.
-            if letter.error is None:
-                log.warning("dead-lettered %s: %s", letter.msg.where, letter.reason)
-        telemetry.batch_size.record(batch, attrs)
-        telemetry.transaction_duration.record(elapsed, attrs)
-        if result.applied:
-            lag = time.time() - result.applied[-1].timestamp / 1000
-            telemetry.end_to_end_lag.record(max(lag, 0.0), attrs)
 
     async def _lose(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> None:
         """A newer owner holds the partition: record it and stop."""
@@ -491,21 +396,18 @@ class PartitionWorker:
         self._stats["stale"] += 1
         telemetry.stale_rejections.add(1, {"messaging.destination.name": self.tp.topic})
         log.warning("consumer %s: %s", self._s.holder, exc)
-        event = events.Event(
-            "partition",
-            "stale_rejected",
-            namespace=self._s.namespace,
-            resource=exc.resource,
-            holder=self._s.holder,
-            token=self.token,
-            detail={"expected_offset": self.expected},
-        )
         try:
             with telemetry.tracer.start_as_current_span(
                 "dedup stale", attributes={"messaging.consumer.group.name": self._s.group_id}
             ):
                 conn = await lane.connection()
-                await events.record(conn, self._s.store.schema_name, [event])
+                await self._s.store.stale_rejected(
+                    conn,
+                    exc.resource,
+                    holder=self._s.holder,
+                    token=self.token,
+                    expected=self.expected,
+                )
         except Exception as record_exc:
             if not db.is_retriable(record_exc):
                 raise
@@ -518,15 +420,6 @@ class PartitionWorker:
         except TimeoutError:
             return True
         return False
-
-
-def _split(msgs: list[message_.Message], culprit: int | None) -> list[list[message_.Message]]:
-    """Halves of a failed batch, or (when the failing message is known) before, it, after."""
-    at = next((i for i, m in enumerate(msgs) if m.offset == culprit), None)
-    if at is None:
-        half = len(msgs) // 2
-        return [msgs[:half], msgs[half:]]
-    return [part for part in (msgs[:at], msgs[at : at + 1], msgs[at + 1 :]) if part]
 
 
 def take_key(

@@ -39,6 +39,9 @@ the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM).
                   token in ``dedup.partitions`` is off
 ``offset_first``  the offset is stored (and committed) before the batch's writes
 ``outside_tx``    the handler writes through its own connection, not ``tx.conn``
+
+The batch log, the failpoints and the breaks are hooks at the library's fault
+points (:mod:`dedup._faults`); nothing of the library is patched.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ import orjson
 import dedup
 from dedup import _consumer as consumer_
 from dedup import _db as db
+from dedup import _faults as faults
 from dedup import _store as store
-from dedup import _worker as worker
 from tests.chaos import scenarios
 
 EFFECTS = f"""
@@ -99,8 +102,6 @@ batches and the log of hung handler calls (committed on their own)."""
 HANDLERS = ("plain", "hot-rows", "hang")
 
 BREAKS = ("no_fence", "offset_first", "outside_tx")
-FENCE = "AND token = $5 AND next_offset IS NOT DISTINCT FROM $6"
-NO_FENCE = "AND $5::bigint = $5::bigint AND $6::bigint IS NOT DISTINCT FROM $6::bigint"
 
 
 def say(line: str) -> None:
@@ -135,17 +136,13 @@ class Failpoints:
                 self.armed = line[0]
 
 
-def install(failpoints: Failpoints, holder: str, group: str, broken: str | None) -> None:
-    """Wrap the consumer's batch transaction: the batch log, the failpoints, a broken build."""
-    real_apply = store.Store.apply
-    real_transaction = worker.PartitionWorker._transaction
+def install(failpoints: Failpoints, holder: str) -> None:
+    """Hook the consumer's batch transactions: the batch log and the failpoints."""
 
-    async def apply(self: store.Store, conn: Any, msgs: Any, **kwargs: Any) -> store.BatchResult:
-        result = await real_apply(self, conn, msgs, **kwargs)
-        fence: store.Fence | None = kwargs.get("fence")
-        if fence is None or result.next_offset is None:
-            return result
-        every = [*msgs, *(d.msg for d in kwargs.get("dead", ()))]
+    async def before_commit(
+        *, conn: Any, fence: store.Fence, msgs: Any, dead: Any, result: store.BatchResult
+    ) -> None:
+        every = [*msgs, *(d.msg for d in dead)]
         first = min(m.offset for m in every)
         await conn.execute(
             'INSERT INTO chaos_batches ("partition", token, holder, first_offset, next_offset)'
@@ -157,45 +154,85 @@ def install(failpoints: Failpoints, holder: str, group: str, broken: str | None)
             result.next_offset,
         )
         failpoints.strike("before_commit", every[0].partition, first, fence.token)
-        return result
 
-    async def transaction(self: worker.PartitionWorker, lane: Any, msgs: Any, dead: Any) -> None:
-        tp = self.tp
-        first = min(m.offset for m in [*msgs, *(d.msg for d in dead)])
-        if broken == "offset_first":
-            # The classic mistake: the offset moves in its own transaction, first.
-            end = max(m.offset for m in [*msgs, *(d.msg for d in dead)]) + 1
-            conn = await lane.connection()
-            await conn.execute(
-                "UPDATE dedup.partitions SET next_offset = $1"
-                ' WHERE group_id = $2 AND topic = $3 AND "partition" = $4 AND token = $5',
-                end,
-                group,
-                tp.topic,
-                tp.partition,
-                self.token,
-            )
-            self.expected = end
-        await real_transaction(self, lane, msgs, dead)
-        failpoints.strike("after_commit", tp.partition, first, self.token)
+    async def after_commit(*, fence: store.Fence, msgs: Any, dead: Any, **_: Any) -> None:
+        every = [*msgs, *(d.msg for d in dead)]
+        first = min(m.offset for m in every)
+        failpoints.strike("after_commit", every[0].partition, first, fence.token)
 
-    store.Store.apply = apply  # type: ignore[method-assign]
-    worker.PartitionWorker._transaction = transaction  # type: ignore[method-assign]
+    faults.install(faults.Point.BEFORE_COMMIT, before_commit)
+    faults.install(faults.Point.AFTER_COMMIT, after_commit)
 
 
-def unfence(consumer: dedup.IdempotentConsumer) -> None:
-    """Take every fence out: the queries' token checks, and the periodic owner look
-    (which would notice the newer token and stop the old owner on its own)."""
-    rendered = consumer.store.queries._rendered
-    for name in ("fence_and_claim", "advance_partition"):
-        if FENCE not in rendered[name]:
-            raise SystemExit(f"CHAOS_BREAK=no_fence: the fence of {name} changed; update FENCE")
-        rendered[name] = rendered[name].replace(FENCE, NO_FENCE)
+def unfence() -> None:
+    """``no_fence``: every fence passes, whatever the token and the stored offset.
 
-    async def no_owner_check(self: consumer_.IdempotentConsumer) -> None:
-        return None
+    Just before the fencing statement, in its transaction, the partition's row is
+    set to what this fence expects (this token, the offset it last stored); just
+    after, the row gets back the newest token.  Net effect, as of a consumer that
+    never checks: the offset moves, the token stays the newest owner's.  The
+    periodic owner look (which would notice the newer token and stop this owner
+    on its own) fails every time.
+    """
+    newest: dict[tuple[str, int], int] = {}
 
-    consumer_.IdempotentConsumer._check_owners = no_owner_check  # type: ignore[method-assign]
+    async def pass_the_fence(
+        *, conn: Any, fence: store.Fence, topic: str, partition: int, **_: Any
+    ) -> None:
+        row = (fence.group_id, topic, partition)
+        newest[(topic, partition)] = await conn.fetchval(
+            "SELECT token FROM dedup.partitions"
+            ' WHERE group_id = $1 AND topic = $2 AND "partition" = $3 FOR UPDATE',
+            *row,
+        )
+        await conn.execute(
+            "UPDATE dedup.partitions SET token = $4, next_offset = $5"
+            ' WHERE group_id = $1 AND topic = $2 AND "partition" = $3',
+            *row,
+            fence.token,
+            fence.expected,
+        )
+
+    async def restore_the_token(
+        *, conn: Any, fence: store.Fence, topic: str, partition: int, **_: Any
+    ) -> None:
+        await conn.execute(
+            "UPDATE dedup.partitions SET token = greatest(token, $4)"
+            ' WHERE group_id = $1 AND topic = $2 AND "partition" = $3',
+            fence.group_id,
+            topic,
+            partition,
+            newest.pop((topic, partition), None),
+        )
+
+    async def no_owner_look(**_: Any) -> None:
+        raise ConnectionRefusedError("CHAOS_BREAK=no_fence: the owner look is off")
+
+    faults.install(faults.Point.BEFORE_FENCE, pass_the_fence)
+    faults.install(faults.Point.AFTER_FENCE, restore_the_token)
+    faults.install(faults.Point.OWNER_LOOK, no_owner_look)
+
+
+def offset_first(pool: Any) -> None:
+    """``offset_first``: the classic mistake, the offset is stored (and committed) first.
+
+    Just before the batch's fence, the offset moves to the batch's end on a
+    connection of its own, which commits at once; then the batch's row is set
+    back, in the batch's transaction, to what its fence expects.
+    """
+
+    async def store_the_offset_first(
+        *, conn: Any, fence: store.Fence, topic: str, partition: int, next_offset: int, **_: Any
+    ) -> None:
+        moved = (
+            "UPDATE dedup.partitions SET next_offset = $1"
+            ' WHERE group_id = $2 AND topic = $3 AND "partition" = $4 AND token = $5'
+        )
+        where = (fence.group_id, topic, partition, fence.token)
+        await pool.execute(moved, next_offset, *where)
+        await conn.execute(moved, fence.expected, *where)
+
+    faults.install(faults.Point.BEFORE_FENCE, store_the_offset_first)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -203,7 +240,7 @@ async def main(args: argparse.Namespace) -> None:
     if broken not in (None, *BREAKS):
         raise SystemExit(f"CHAOS_BREAK={broken!r}: expected one of {', '.join(BREAKS)}")
     failpoints = Failpoints()
-    install(failpoints, args.holder, args.group, broken)
+    install(failpoints, args.holder)
     pool = await db.create_pool(
         args.dsn,
         min_size=1,
@@ -283,7 +320,9 @@ async def main(args: argparse.Namespace) -> None:
         handler_timeout=max(args.idle_timeout_ms / 1000 - consumer_.IDLE_MARGIN, 0.5),
     )
     if broken == "no_fence":
-        unfence(consumer)
+        unfence()
+    elif broken == "offset_first":
+        offset_first(pool)
     listener = asyncio.create_task(failpoints.listen())
     say(f"READY {args.holder}")
     try:

@@ -16,11 +16,10 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
-from asyncpg import transaction as asyncpg_transaction
 
 import dedup
 from dedup import _db as db
-from dedup import _store as store
+from dedup import _faults as faults
 from tests import helpers
 from tests.conftest import Topics
 from tests.integration import consumer_support as support
@@ -210,7 +209,7 @@ async def test_backend_killed_mid_transaction_is_retried_without_loss(
 
 
 async def test_a_commit_whose_answer_was_lost_does_not_stall_the_partition(
-    bootstrap_servers: str, topics: Topics, pool: Any, monkeypatch: pytest.MonkeyPatch
+    bootstrap_servers: str, topics: Topics, pool: Any
 ) -> None:
     """COMMIT succeeds on the server, the connection drops before the answer comes back.
 
@@ -219,31 +218,25 @@ async def test_a_commit_whose_answer_was_lost_does_not_stall_the_partition(
     """
     topic = await topics.create(partitions=1)
     await pool.execute(support.EFFECTS)
-    in_batch, lost = [], []
-    real_apply = store.Store.apply
-    real_exit = asyncpg_transaction.Transaction.__aexit__
+    lost: list[bool] = []
 
-    async def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
-        in_batch.append(True)  # the transaction now open is a batch's
-        return await real_apply(self, *args, **kwargs)
-
-    async def commit_then_lose_the_answer(self: Any, *exc_info: Any) -> Any:
-        done = await real_exit(self, *exc_info)
-        if exc_info[0] is None and in_batch and not lost:
+    async def lose_the_answer(**_: Any) -> None:
+        # Right after the batch's COMMIT returned: as if the answer never came back.
+        if not lost:
             lost.append(True)
             raise asyncpg.ConnectionDoesNotExistError("connection was closed mid-operation")
-        return done
 
-    monkeypatch.setattr(store.Store, "apply", apply)
-    monkeypatch.setattr(asyncpg_transaction.Transaction, "__aexit__", commit_then_lose_the_answer)
     consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
-    async with support.running(consumer):
-        await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(10)])
-        await helpers.wait_for(lambda: _all_applied(pool, 10), within=30, what="the first 10")
-        await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(10, 20)])
-        await helpers.wait_for(
-            lambda: _all_applied(pool, 20), within=30, what="the partition to go on after it"
-        )
+    with faults.install(faults.Point.AFTER_COMMIT, lose_the_answer):
+        async with support.running(consumer):
+            await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(10)])
+            await helpers.wait_for(lambda: _all_applied(pool, 10), within=30, what="the first 10")
+            await helpers.produce(
+                bootstrap_servers, topic, [(None, item(i)) for i in range(10, 20)]
+            )
+            await helpers.wait_for(
+                lambda: _all_applied(pool, 20), within=30, what="the partition to go on after it"
+            )
     assert lost, "the fault was injected"
     assert await support.effect_counts(pool) == (20, 20)
     assert consumer.stats["stale"] == 0, "our own commit is not a newer owner's"

@@ -36,7 +36,7 @@ async def test_a_batch_on_a_shared_lane_gives_up_a_lock_wait_before_the_deadlock
 ) -> None:
     await pool.execute("CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL)")
     await pool.execute("INSERT INTO hot VALUES (1, 0)")
-    writes = store.Store(schema_name="dedup", namespace="lanes")
+    writes = store.Store(schema="dedup", namespace="lanes")
     async with pool.acquire() as holder, pool.acquire() as waiter:
         held = holder.transaction()
         await held.start()

@@ -6,7 +6,7 @@
 -- Take the given partitions for this holder: a new token for each, bumped past
 -- every earlier owner's; returns the offset to resume from (NULL: never applied).
 INSERT INTO {schema}.partitions AS p (group_id, topic, "partition", holder, token)
-SELECT $1, t, part, $2, 1 FROM unnest($3::text[], $4::int[]) AS x(t, part)
+SELECT :group_id, t, part, :holder, 1 FROM unnest(:topics::text[], :partitions::int[]) AS x(t, part)
 ON CONFLICT (group_id, topic, "partition") DO UPDATE
    SET token = p.token + 1, holder = EXCLUDED.holder, acquired_at = now(), updated_at = now()
 RETURNING topic, "partition", token, next_offset
@@ -16,60 +16,62 @@ RETURNING topic, "partition", token, next_offset
 -- was lost, this tells whether the batch landed; after a refused fence, who
 -- took the partition (another consumer, or `dedup offsets`).
 SELECT holder, token, next_offset FROM {schema}.partitions
- WHERE group_id = $1 AND topic = $2 AND "partition" = $3
+ WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition
 
 -- name: partition_positions
--- The same for every partition a consumer holds ($2 topics, $3 partitions), in
--- one statement: an idle consumer looks every kafka_commit_interval.
+-- The same for every partition a consumer holds, in one statement: an idle
+-- consumer looks every kafka_commit_interval.
 SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
   FROM {schema}.partitions AS p
-  JOIN unnest($2::text[], $3::int[]) AS x(t, part) ON p.topic = x.t AND p."partition" = x.part
- WHERE p.group_id = $1
+  JOIN unnest(:topics::text[], :partitions::int[]) AS x(t, part)
+    ON p.topic = x.t AND p."partition" = x.part
+ WHERE p.group_id = :group_id
 
 -- name: serialize_group
--- After a deadlock a consumer runs one batch transaction at a time (dedup/lanes.py).
+-- After a deadlock a consumer runs one batch transaction at a time (dedup/_lanes.py).
 -- Each such transaction first takes the group's transaction-scoped advisory
 -- lock, so the consumers of a group that all deadlocked on hot rows run their
 -- batches one at a time across processes too, instead of deadlocking again
 -- each time two of them overlap.  Taken before any row lock, it can't be part
--- of a deadlock itself.  $1 group.
-SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext($1))
+-- of a deadlock itself.
+SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext(:group_id))
 
 -- name: advance_partition
 -- Move the offset past records the consumer was never handed (transaction
 -- markers, records of aborted transactions, compacted gaps) under the batch's
 -- fence: only while this token is current and the offset is where this holder
--- left it.  No keys are claimed.  $1 group, $2 topic, $3 partition, $4 new
--- next_offset, $5 token, $6 expected next_offset.
+-- left it (:expected, the next_offset it last stored).  No keys are claimed;
+-- returns a row only if the fence held.
 UPDATE {schema}.partitions
-   SET next_offset = $4, updated_at = now()
- WHERE group_id = $1 AND topic = $2 AND "partition" = $3
-   AND token = $5 AND next_offset IS NOT DISTINCT FROM $6
+   SET next_offset = :next_offset, updated_at = now()
+ WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition
+   AND token = :token AND next_offset IS NOT DISTINCT FROM :expected
+RETURNING 1 AS fenced
 
 -- name: fence_and_claim
 -- One round trip for steps 1 and 2 of a batch.  The fence moves the partition's
 -- offset only while this token is current and the offset is where this holder
 -- left it; the claim runs only if the fence held.  A key seen before gets its
 -- duplicate (same payload hash) or conflict (different hash) counted instead.
--- $1 group, $2 topic, $3 partition, $4 new next_offset, $5 token (NULL: no fence,
--- for wrap()), $6 expected next_offset, $7 namespace, $8 keys, $9 offsets,
--- $10 payload hashes, $11 the transaction's idle_in_transaction_session_timeout
--- and $12 its lock_timeout, in ms (NULL: the session's).  The settings ride on
+-- :token NULL means no fence (for wrap()); :expected is the next_offset this
+-- holder last stored.  :idle_timeout_ms and :lock_timeout_ms are the
+-- transaction's idle_in_transaction_session_timeout and lock_timeout, as text
+-- (NULL: the session's).  The settings ride on
 -- this statement, the batch's first, instead of a SET LOCAL of their own: no
 -- round trip more per batch, and nothing per session, so they hold through a
 -- pooler in transaction mode.
 WITH fence AS (
     UPDATE {schema}.partitions
-       SET next_offset = $4, updated_at = now()
-     WHERE group_id = $1 AND topic = $2 AND "partition" = $3
-       AND token = $5 AND next_offset IS NOT DISTINCT FROM $6
+       SET next_offset = :next_offset, updated_at = now()
+     WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition
+       AND token = :token AND next_offset IS NOT DISTINCT FROM :expected
     RETURNING 1
 ), claim AS (
     INSERT INTO {schema}.processed AS p
         (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
-    SELECT $7, k, $2, $3, o, $5, h
-      FROM unnest($8::text[], $9::bigint[], $10::bytea[]) AS x(k, o, h)
-     WHERE $5::bigint IS NULL OR EXISTS (SELECT FROM fence)
+    SELECT :namespace, k, :topic, :partition, o, :token, h
+      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[]) AS x(k, o, h)
+     WHERE :token::bigint IS NULL OR EXISTS (SELECT FROM fence)
     ON CONFLICT (namespace, idempotency_key) DO UPDATE
        SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
            conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
@@ -79,20 +81,22 @@ WITH fence AS (
 )
 SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
   FROM (SELECT set_config('idle_in_transaction_session_timeout',
-                          coalesce($11::text, current_setting('idle_in_transaction_session_timeout')),
+                          coalesce(:idle_timeout_ms::text,
+                                   current_setting('idle_in_transaction_session_timeout')),
                           true),
-               set_config('lock_timeout', coalesce($12::text, current_setting('lock_timeout')),
+               set_config('lock_timeout',
+                          coalesce(:lock_timeout_ms::text, current_setting('lock_timeout')),
                           true)) AS settings
   LEFT JOIN claim ON true
 
 -- name: claim_keys
 -- dedup.claim(): the claim of fence_and_claim without a fence, inside the
 -- caller's own transaction, for keys from any topics and partitions.
--- $1 namespace, $2 keys, $3 topics, $4 partitions, $5 offsets, $6 payload hashes.
 INSERT INTO {schema}.processed AS p
     (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
-SELECT $1, k, t, part, o, NULL, h
-  FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[]) AS x(k, t, part, o, h)
+SELECT :namespace, k, t, part, o, NULL, h
+  FROM unnest(:keys::text[], :topics::text[], :partitions::int[], :offsets::bigint[],
+              :hashes::bytea[]) AS x(k, t, part, o, h)
 ON CONFLICT (namespace, idempotency_key) DO UPDATE
    SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
        conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
@@ -102,17 +106,18 @@ RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
 
 -- name: count_copies
 -- Further copies of a key inside one batch, once each was classified against
--- the stored payload hash.  $1 namespace, $2 keys, $3 duplicates, $4 conflicts.
+-- the stored payload hash: :duplicates and :conflicts per key.
 UPDATE {schema}.processed AS p
    SET duplicates = p.duplicates + x.d, conflicts = p.conflicts + x.c,
        last_duplicate_at = now()
-  FROM unnest($2::text[], $3::int[], $4::int[]) AS x(k, d, c)
- WHERE p.namespace = $1 AND p.idempotency_key = x.k
+  FROM unnest(:keys::text[], :duplicates::int[], :conflicts::int[]) AS x(k, d, c)
+ WHERE p.namespace = :namespace AND p.idempotency_key = x.k
 
 -- name: dead_letter
 -- Rare, so one row per statement (sent pipelined with executemany).
 INSERT INTO {schema}.dead_letters
     (namespace, group_id, topic, "partition", "offset", timestamp_ms, key, value,
      header_names, header_values, idempotency_key, reason, error, attempts, token)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+VALUES (:namespace, :group_id, :topic, :partition, :offset, :timestamp_ms, :kafka_key, :value,
+        :header_names, :header_values, :idempotency_key, :reason, :error, :attempts, :token)
 ON CONFLICT (namespace, topic, "partition", "offset") DO NOTHING

@@ -1,0 +1,96 @@
+"""Calling the user's handler inside a batch's transaction, and telling its failures apart.
+
+A handler's failure (an exception, its deadline passed, a cancellation of its
+own, a transaction it tried to end) is its fault: the worker isolates the
+message and dead-letters it.  A lost connection is an outage, retried.  The
+difference is drawn here, where the handler is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+
+from dedup import _errors as errors
+from dedup import _guard as guard
+from dedup import _message as message_
+
+MessageHandler = Callable[[message_.Message, message_.Tx], Awaitable[object]]
+BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]]
+
+
+async def run(
+    handler: MessageHandler | BatchHandler,
+    *,
+    batch_handler: bool,
+    msgs: list[message_.Message],
+    conn: asyncpg.Connection,
+    token: int,
+    deadline_s: float | None,
+) -> None:
+    """Run ``handler`` on ``msgs`` (once for a batch handler, else once per message, in order).
+
+    A per-message handler's exception carries the failing message's offset
+    (see :func:`failed_offset`), so the worker can split the batch around it.
+    """
+    tx = message_.Tx(conn=guard.GuardedConnection(conn), token=token)
+    if batch_handler:
+        await call(handler(msgs, tx), conn, deadline_s)  # type: ignore[arg-type]
+        return
+    for msg in msgs:
+        try:
+            await call(handler(msg, tx), conn, deadline_s)  # type: ignore[arg-type]
+        except Exception as exc:
+            with contextlib.suppress(AttributeError):
+                exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
+            raise
+
+
+async def call(call: Awaitable[object], conn: asyncpg.Connection, deadline_s: float | None) -> None:
+    """Await one handler call within ``deadline_s`` seconds; leave the transaction open or raise.
+
+    Past the deadline the handler is cancelled and HandlerError raised.  A
+    ``CancelledError`` the handler raises on its own (a cancelled HTTP call,
+    say) is a handler failure too; only a cancellation of dedup's own task
+    (shutdown, revoke) goes through as one.
+    """
+    try:
+        async with asyncio.timeout(deadline_s) as deadline:
+            await call
+    except TimeoutError as exc:
+        if not deadline.expired():
+            raise  # the handler's own TimeoutError: an error like any other
+        raise errors.HandlerError(
+            f"the handler did not finish within handler_timeout={deadline_s:g}s; it was cancelled"
+        ) from exc
+    except asyncpg.InterfaceError as exc:
+        if conn.is_closed():
+            raise  # the connection was lost: retried like any outage
+        # The handler misused the connection (a nested transaction of another
+        # isolation level, say): its fault, not an outage to retry forever.
+        raise errors.HandlerError(f"the handler misused its connection: {exc}") from exc
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise errors.HandlerError(
+            "the handler raised CancelledError though dedup did not cancel it "
+            "(a timeout or a cancelled call inside the handler?)"
+        ) from exc
+    guard.check_open(conn)
+
+
+def failed_offset(exc: BaseException) -> int | None:
+    """The offset of the message whose (per-message) handler raised ``exc``, if known."""
+    offset = getattr(exc, "_dedup_offset", None)
+    return offset if isinstance(offset, int) else None
+
+
+def describe(value: Any) -> str:
+    """A short, payload-free description of an exception for dead letters and logs."""
+    text = f"{type(value).__name__}: {value}"
+    return text if len(text) <= 500 else text[:497] + "..."
