@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from dedup import keys
-from dedup._consumer import IdempotentConsumer, claim, wrap
+from dedup._consumer import IdempotentConsumer
 from dedup._errors import (
     ConfigurationError,
     DedupError,
@@ -22,12 +22,13 @@ from dedup._errors import (
     UndecodableBatchError,
 )
 from dedup._leases import Lease, Leases
-from dedup._message import ClaimResult, Message, Outcome, Tx
+from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
 from dedup._migrations import migrate
 from dedup._reconciliation import Check as ReconcileCheck
 from dedup._reconciliation import Report as ReconcileReport
 from dedup._reconciliation import reconcile
 from dedup._tasks import TaskOutcome, TaskRun, TaskRunner
+from dedup._wrap import claim, wrap
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
 _DISTRIBUTION = "dedup-kafka"
@@ -50,6 +51,8 @@ __all__ = [
     "Leases",
     "Message",
     "MigrationError",
+    "OnConflict",
+    "OnMissingKey",
     "Outcome",
     "ReconcileCheck",
     "ReconcileReport",

@@ -24,7 +24,9 @@ import contextlib
 import datetime as dt
 import inspect
 import logging
+import os
 import re
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,10 @@ DEFAULT_RENEW_FRACTION = 1 / 3
 """A watchdog renews after this fraction of the TTL, leaving two more tries before expiry."""
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def default_holder() -> str:  # hostname:pid:xxxxxx (two holders of one process differ)
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
 @dataclass(frozen=True, slots=True)

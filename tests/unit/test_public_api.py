@@ -66,7 +66,7 @@ def test_consumer_signature_of_the_contract() -> None:
         "install_signal_handlers",
     ):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-    assert dedup._consumer.DEFAULT_BATCH_SIZE == 500
+    assert dedup._config.DEFAULT_BATCH_SIZE == 500
 
 
 def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:

@@ -116,3 +116,7 @@ INSERT INTO {schema}.dead_letters
      header_names, header_values, idempotency_key, reason, error, attempts, token)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 ON CONFLICT (namespace, topic, "partition", "offset") DO NOTHING
+
+-- name: current_database
+-- The database the consumer writes to, named on its database spans (db.namespace).
+SELECT current_database()
