@@ -41,28 +41,42 @@ _KEY_FACTORIES = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
-    """One consumer's settings, checked when built (see ``IdempotentConsumer`` for each)."""
+    """One consumer's settings, checked when built (``IdempotentConsumer`` says what each does)."""
 
+    # Kafka
     topics: Sequence[str]
     group_id: str
+    """The Kafka consumer group; also the namespace unless one is given."""
     bootstrap_servers: str | Sequence[str]
-    namespace: str
-    schema: str
-    holder: str
-    key: keys.Strategy
-    batch_handler: bool
-    on_missing_key: message_.OnMissingKey
-    on_conflict: message_.OnConflict
-    batch_size: int
-    concurrency: int
-    max_attempts: int
-    install_signal_handlers: bool
-    shutdown_timeout: float
-    handler_timeout: float
-    kafka_commit_interval: float
-    pool_options: Mapping[str, Any]
     kafka_options: Mapping[str, Any]
     """aiokafka's consumer options, as checked by :func:`kafka_options`."""
+    # Postgres
+    schema: str
+    """The schema of dedup's tables."""
+    pool_options: Mapping[str, Any]
+    """For the pool dedup opens from ``dsn=``."""
+    concurrency: int
+    """Partitions whose transactions run at the same time, each on its own connection."""
+    # Keys
+    namespace: str
+    key: keys.Strategy
+    on_missing_key: message_.OnMissingKey
+    on_conflict: message_.OnConflict
+    # The handler
+    batch_handler: bool
+    """The handler takes the fresh messages of a transaction as one list."""
+    batch_size: int
+    """Most messages of one partition per transaction."""
+    max_attempts: int
+    handler_timeout: float
+    # Running and stopping
+    holder: str
+    """The name written with tokens and events."""
+    install_signal_handlers: bool
+    shutdown_timeout: float
+    """Seconds the batches in flight get to finish at a stop."""
+    kafka_commit_interval: float
+    """Seconds between commits to Kafka and between looks for moved partitions."""
 
     def __post_init__(self) -> None:
         if isinstance(self.topics, str) or not self.topics:
