@@ -164,7 +164,7 @@ class IdempotentConsumer:
         self.batch_handler = self.config.batch_handler
         """True when ``handler`` takes a batch of messages."""
         self.store = store.Store(  # validates the schema name
-            schema_name=schema, namespace=self.config.namespace, conflict_policy=conflict
+            schema=schema, namespace=self.config.namespace, on_conflict=conflict
         )
         self._dsn = dsn
         self._pool = pool

@@ -114,6 +114,4 @@ def _claimer(
     """The store that claims keys for ``wrap`` and ``claim``, after checking their settings."""
     config.check_key(key)
     missing_key, conflict = config.policies(on_missing_key, on_conflict)
-    return store.Store(
-        schema_name=schema, namespace=namespace, conflict_policy=conflict
-    ), missing_key
+    return store.Store(schema=schema, namespace=namespace, on_conflict=conflict), missing_key
