@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from dedup import keys
-from dedup._consumer import IdempotentConsumer, claim, wrap
+from dedup._consumer import IdempotentConsumer
 from dedup._db import create_pool
 from dedup._errors import (
     ConfigurationError,
@@ -23,7 +23,7 @@ from dedup._errors import (
     UndecodableBatchError,
 )
 from dedup._leases import Lease, Leases, default_holder, fenced_upsert
-from dedup._message import ClaimResult, Message, Outcome, Tx
+from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
 from dedup._migrations import migrate
 from dedup._reconciliation import Check as ReconcileCheck
 from dedup._reconciliation import Report as ReconcileReport
@@ -31,6 +31,7 @@ from dedup._reconciliation import reconcile
 from dedup._task_command import run_task
 from dedup._task_run import TaskOutcome, TaskRun, TaskState
 from dedup._tasks import TaskRunner
+from dedup._wrap import claim, wrap
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
 _DISTRIBUTION = "dedup-kafka"
@@ -53,6 +54,8 @@ __all__ = [
     "Leases",
     "Message",
     "MigrationError",
+    "OnConflict",
+    "OnMissingKey",
     "Outcome",
     "ReconcileCheck",
     "ReconcileReport",

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import orjson
+
+from dedup import _errors as errors
 
 
 @dataclass(slots=True, eq=False)
@@ -92,6 +94,43 @@ class Outcome(enum.Enum):
     """Its key was already applied with a different payload: nothing ran; recorded."""
     DEAD_LETTERED = "dead_lettered"
     """It could not be handled; the whole record is in ``dead_letters`` with the reason."""
+
+
+class OnConflict(enum.StrEnum):
+    """What happens to a message whose key was already applied with a different payload.
+
+    Either way nothing runs, the key's row counts it and a ``conflict`` event
+    records it; plain strings (``on_conflict="record"``) work as well.
+    """
+
+    DEAD_LETTER = "dead_letter"
+    """Also write the whole record to ``dead_letters`` (the default)."""
+    RECORD = "record"
+    """Only count and record it."""
+
+
+class OnMissingKey(enum.StrEnum):
+    """What happens to a message the key strategy finds no key in.
+
+    Plain strings (``on_missing_key="offset"``) work as well.
+    """
+
+    DEAD_LETTER = "dead_letter"
+    """Write the whole record to ``dead_letters`` (the default)."""
+    OFFSET = "offset"
+    """Key it by ``topic:partition:offset``: applied once per record, not per business key."""
+
+
+_Policy = TypeVar("_Policy", OnConflict, OnMissingKey)
+
+
+def policy(kind: type[_Policy], setting: str, value: Any) -> _Policy:
+    """``value`` as a member of ``kind``; a ConfigurationError names ``setting`` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = " or ".join(repr(member.value) for member in kind)
+        raise errors.ConfigurationError(f"{setting}={value!r}: expected {choices}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ from typing import Any
 import orjson
 
 import dedup
+from dedup import _config as config_
 from dedup import _consumer as consumer_
 from dedup import _db as db
 from dedup import _faults as faults
@@ -244,7 +245,7 @@ async def main(args: argparse.Namespace) -> None:
     pool = await db.create_pool(
         args.dsn,
         min_size=1,
-        max_size=consumer_.DEFAULT_CONCURRENCY + 1,  # a lane per partition in flight, one spare
+        max_size=config_.DEFAULT_CONCURRENCY + 1,  # a lane per partition in flight, one spare
         server_settings={
             "idle_in_transaction_session_timeout": str(args.idle_timeout_ms),
             "application_name": f"chaos:{args.holder}",

@@ -25,7 +25,7 @@ from tests.conftest import Topics
 from tests.integration import consumer_support as support
 from tests.integration.processes import started
 
-BATCH_SIZES = {"batch_size_1": 1, "batch_default": dedup._consumer.DEFAULT_BATCH_SIZE}
+BATCH_SIZES = {"batch_size_1": 1, "batch_default": dedup._config.DEFAULT_BATCH_SIZE}
 
 
 @pytest.fixture(params=list(BATCH_SIZES))

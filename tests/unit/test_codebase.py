@@ -19,7 +19,6 @@ _SQL_STATEMENT = re.compile(
 # TRANSITIONAL (issue 15): modules not yet moved to dedup/sql; each line goes as
 # its module moves, and then this list.
 _SQL_NOT_YET_MOVED = {
-    "_consumer.py",
     "_db.py",
     "_drivers.py",
     "_migrations.py",
@@ -27,7 +26,6 @@ _SQL_NOT_YET_MOVED = {
 # TRANSITIONAL (issue 15): modules not yet split; each line goes as it is.
 _LONG_NOT_YET_SPLIT = {
     "_cli.py",
-    "_consumer.py",
     "_offsets.py",
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import inspect
 import os
 import pkgutil
@@ -69,7 +70,23 @@ def test_consumer_signature_of_the_contract() -> None:
         "install_signal_handlers",
     ):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-    assert dedup._consumer.DEFAULT_BATCH_SIZE == 500
+    assert dedup._config.DEFAULT_BATCH_SIZE == 500
+
+
+@pytest.mark.parametrize(
+    ("policy", "setting", "choices"),
+    [
+        (dedup.OnConflict, "on_conflict", "'dead_letter' or 'record'"),
+        (dedup.OnMissingKey, "on_missing_key", "'dead_letter' or 'offset'"),
+    ],
+)
+async def test_policies_are_enums_that_take_their_plain_strings(
+    policy: type[enum.StrEnum], setting: str, choices: str
+) -> None:
+    assert all(member == member.value and policy(member.value) is member for member in policy)
+    with pytest.raises(dedup.ConfigurationError) as info:
+        await dedup.claim(None, [], namespace="n", **{setting: "ignore"})
+    assert str(info.value) == f"{setting}='ignore': expected {choices}"
 
 
 def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:

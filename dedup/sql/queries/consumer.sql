@@ -121,3 +121,7 @@ INSERT INTO {schema}.dead_letters
 VALUES (:namespace, :group_id, :topic, :partition, :offset, :timestamp_ms, :kafka_key, :value,
         :header_names, :header_values, :idempotency_key, :reason, :error, :attempts, :token)
 ON CONFLICT (namespace, topic, "partition", "offset") DO NOTHING
+
+-- name: current_database
+-- The database the consumer writes to, named on its database spans (db.namespace).
+SELECT current_database()

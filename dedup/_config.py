@@ -1,0 +1,175 @@
+"""The consumer's settings: their defaults, and the checks that refuse a bad one at construction.
+
+Every check names the setting and the value it got, so a typo fails before
+anything connects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import aiokafka
+
+from dedup import _errors as errors
+from dedup import _message as message_
+from dedup import keys
+
+DEFAULT_BATCH_SIZE = 500
+DEFAULT_CONCURRENCY = 4
+DEFAULT_HANDLER_TIMEOUT = 30.0
+DEFAULT_ISOLATION_LEVEL = "read_committed"
+"""Records of aborted transactions are skipped (aiokafka's own default is read_uncommitted)."""
+DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
+"""The ``idempotency-key`` header if present, else the Kafka record key."""
+
+_AIOKAFKA_OPTIONS = frozenset(inspect.signature(aiokafka.AIOKafkaConsumer.__init__).parameters) - {
+    "self",
+    "topics",
+}
+_KEY_FACTORIES = {
+    keys.header: "dedup.keys.header('name')",
+    keys.json_field: "dedup.keys.json_field('field')",
+    keys.kafka_key: "dedup.keys.kafka_key()",
+    keys.offset: "dedup.keys.offset()",
+    keys.first: "dedup.keys.first(...)",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """One consumer's settings, checked when built (``IdempotentConsumer`` says what each does)."""
+
+    # Kafka
+    topics: Sequence[str]
+    group_id: str
+    """The Kafka consumer group; also the namespace unless one is given."""
+    bootstrap_servers: str | Sequence[str]
+    kafka_options: Mapping[str, Any]
+    """aiokafka's consumer options, as checked by :func:`kafka_options`."""
+    # Postgres
+    schema: str
+    """The schema of dedup's tables."""
+    pool_options: Mapping[str, Any]
+    """For the pool dedup opens from ``dsn=``."""
+    concurrency: int
+    """Partitions whose transactions run at the same time, each on its own connection."""
+    # Keys
+    namespace: str
+    key: keys.Strategy
+    on_missing_key: message_.OnMissingKey
+    on_conflict: message_.OnConflict
+    # The handler
+    batch_handler: bool
+    """The handler takes the fresh messages of a transaction as one list."""
+    batch_size: int
+    """Most messages of one partition per transaction."""
+    max_attempts: int
+    handler_timeout: float
+    # Running and stopping
+    holder: str
+    """The name written with tokens and events."""
+    install_signal_handlers: bool
+    shutdown_timeout: float
+    """Seconds the batches in flight get to finish at a stop."""
+    kafka_commit_interval: float
+    """Seconds between commits to Kafka and between looks for moved partitions."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topics, str) or not self.topics:
+            raise errors.ConfigurationError("topics must be a non-empty list of topic names")
+        if not self.group_id:
+            raise errors.ConfigurationError("group_id must be set")
+        check_key(self.key)
+        _check_number("batch_size", self.batch_size, 1, 100_000, whole=True)
+        _check_number("concurrency", self.concurrency, 1, 64, whole=True)
+        _check_number("max_attempts", self.max_attempts, 1, 1000, whole=True)
+        _check_number("handler_timeout", self.handler_timeout, 0.001, 86_400, whole=False)
+        _check_number("shutdown_timeout", self.shutdown_timeout, 0, 86_400, whole=False)
+        _check_number("kafka_commit_interval", self.kafka_commit_interval, 0, 3600, whole=False)
+
+
+def kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options for aiokafka's consumer: known to aiokafka, no auto-commit, read_committed."""
+    unknown = sorted(set(options) - _AIOKAFKA_OPTIONS)
+    if unknown:
+        raise errors.ConfigurationError(
+            f"unknown option(s) {', '.join(unknown)}: not a dedup setting nor an "
+            "aiokafka consumer option"
+        )
+    if options.get("enable_auto_commit"):
+        raise errors.ConfigurationError(
+            "enable_auto_commit=True: dedup stores offsets in Postgres; leave it off"
+        )
+    checked = {name: value for name, value in options.items() if name != "enable_auto_commit"}
+    # Records of aborted transactions must never be applied: read only what
+    # producers committed, unless the caller says otherwise.
+    checked.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
+    if checked["isolation_level"] not in ("read_committed", "read_uncommitted"):
+        raise errors.ConfigurationError(
+            f"isolation_level={checked['isolation_level']!r}: expected 'read_committed' "
+            "(the default) or 'read_uncommitted'"
+        )
+    return checked
+
+
+def is_batch_handler(handler: Callable[..., Any]) -> bool:
+    """True when the handler's first parameter is annotated as a list or sequence."""
+    try:
+        params = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if not params or params[0].annotation is inspect.Parameter.empty:
+        return False
+    text = str(params[0].annotation).replace("typing.", "").replace("collections.abc.", "")
+    return text.startswith(("list[", "List[", "Sequence[", "<class 'list'>"))
+
+
+def check_handler(handler: Any) -> None:
+    """Refuse, at construction, a handler that can't be awaited."""
+    target = handler.func if isinstance(handler, functools.partial) else handler
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        getattr(target, "__call__", None)  # noqa: B004 - an object with an async __call__
+    ):
+        return
+    what = "not callable" if not callable(handler) else "a function that is not async"
+    raise errors.ConfigurationError(
+        f"handler={handler!r} is {what}: expected `async def handler(msg, tx)` (or a batch "
+        "handler `async def handler(msgs: list[dedup.Message], tx)`); run blocking code "
+        "with asyncio.to_thread inside it"
+    )
+
+
+def check_key(key: Any) -> None:
+    """Refuse, at construction, a ``key`` that is not a key strategy."""
+    if key in _KEY_FACTORIES:
+        raise errors.ConfigurationError(
+            f"key={key.__name__}: that makes a strategy; call it, e.g. key={_KEY_FACTORIES[key]}"
+        )
+    if not callable(key):
+        raise errors.ConfigurationError(
+            f"key={key!r}: expected a key strategy, e.g. dedup.keys.json_field('id') or any "
+            "callable (Message) -> str | None"
+        )
+
+
+def policies(
+    on_missing_key: object, on_conflict: object
+) -> tuple[message_.OnMissingKey, message_.OnConflict]:
+    """Both policies as Enums, or a ConfigurationError naming the setting and its choices."""
+    return (
+        message_.policy(message_.OnMissingKey, "on_missing_key", on_missing_key),
+        message_.policy(message_.OnConflict, "on_conflict", on_conflict),
+    )
+
+
+def _check_number(name: str, value: Any, low: float, high: float, *, whole: bool) -> None:
+    kinds = (int,) if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        kind = "a whole number" if whole else "a number of seconds"
+        raise errors.ConfigurationError(
+            f"{name}={value!r}: expected {kind} from {low:g} to {high:g}"
+        )
