@@ -312,10 +312,6 @@ class IdempotentConsumer:
     async def _current_database(self) -> str:
         assert self._pool is not None  # noqa: S101 - started
         query = sql.Queries(self.config.schema).current_database
-        # TRANSITIONAL (issue 15): dedup/_sql.py still hands out a query without
-        # parameters as its text.
-        if isinstance(query, str):
-            return str(await self._pool.fetchval(query))
         return str(await query.fetchval(self._pool))
 
     async def _start_kafka(self, held: partitions.Partitions) -> None:

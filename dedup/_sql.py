@@ -143,7 +143,7 @@ class Queries:
             raise AttributeError(f"no query named {name!r} under dedup/sql/queries") from None
         # TRANSITIONAL (issue 15): a query still written with $n is handed out as
         # its text, for the call sites not yet moved to keyword arguments.
-        return query if query.params else query.sql
+        return query.sql if "$1" in query.sql and not query.params else query
 
 
 def identifier(name: str, what: str) -> str:

@@ -34,8 +34,6 @@ from dedup import _telemetry as telemetry
 
 log = logging.getLogger("dedup.store")
 
-CONFLICT_POLICIES = ("dead_letter", "record")
-
 
 def payload_hash(value: bytes) -> bytes:
     """The 16-byte BLAKE2b digest stored with each key to tell duplicates from conflicts."""
@@ -94,14 +92,12 @@ class BatchResult:
 class Store:
     """dedup's writes for one namespace, rendered for one schema."""
 
-    def __init__(self, *, schema: str, namespace: str, on_conflict: str = "dead_letter") -> None:
-        if on_conflict not in CONFLICT_POLICIES:
-            raise errors.ConfigurationError(
-                f"on_conflict={on_conflict!r}: expected one of {', '.join(CONFLICT_POLICIES)}"
-            )
+    def __init__(
+        self, *, schema: str, namespace: str, on_conflict: str = message_.OnConflict.DEAD_LETTER
+    ) -> None:
+        self.on_conflict = message_.policy(message_.OnConflict, "on_conflict", on_conflict)
         self.schema = schema
         self.namespace = namespace
-        self.on_conflict = on_conflict
         self.queries = sql.Queries(schema)
 
     async def take_partitions(
@@ -388,7 +384,7 @@ class Store:
 
     def _conflict(self, result: BatchResult, msg: message_.Message, original: str) -> None:
         result.conflicts.append(msg)
-        if self.on_conflict == "dead_letter":
+        if self.on_conflict is message_.OnConflict.DEAD_LETTER:
             result.dead_letters.append(
                 DeadLetter(
                     msg,
