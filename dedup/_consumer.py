@@ -389,15 +389,10 @@ class IdempotentConsumer:
                 if owner is not None:  # else revoked or lost since the fetch
                     owner.feed(records)
             held.follow_fetch_positions()
-            await self._check_owners()
+            await held.check_owners()
             await held.commit_kafka()
         if self._failure is not None:
             raise self._failure
-
-    async def _check_owners(self) -> None:
-        """Look for partitions of ours that ``dedup offsets`` took (every commit interval)."""
-        assert self._partitions is not None  # noqa: S101 - started
-        await self._partitions.check_owners()
 
     async def _fetch(self, held: partitions.Partitions) -> dict[TopicPartition, list[Any]]:
         ready = held.ready()
