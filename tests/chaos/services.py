@@ -18,7 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from dedup_dev.services import ROOT, read_env
+
 SCRIPTS = ROOT / "compose" / "local"
 SHARED_DIR = ROOT / ".services"
 DEFAULT_DIR = SHARED_DIR / "chaos"
@@ -30,14 +31,6 @@ on its port)."""
 
 class ServicesError(Exception):
     """The chaos services could not be started, stopped or restarted."""
-
-
-def read_env(path: Path) -> dict[str, str]:
-    """``NAME=value`` lines of an env file written by ``compose/local/up``."""
-    if not path.exists():
-        return {}
-    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-    return {k.strip(): v.strip() for k, v in pairs}
 
 
 def _port(address: str) -> str:

@@ -1,4 +1,4 @@
-"""A business table and handlers shared by the consumer tests.
+"""The ``effects`` business table, its handlers, and the consumer the tests build on it.
 
 ``effects`` has no unique constraint on purpose: a message applied twice shows
 up as two rows, so tests can count doubles instead of hitting an error.
