@@ -331,18 +331,16 @@ async def run_naive(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
     return clock.result(total)
 
 
+@dataclass
 class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
     """Offsets live in Postgres: start each assigned partition where the table says."""
 
-    def __init__(
-        self, consumer: AIOKafkaConsumer, conn: asyncpg.Connection, topic: str, progress: Progress
-    ) -> None:
-        self.consumer = consumer
-        self.conn = conn
-        self.topic = topic
-        self.progress = progress
-        # The loop's transactions and this callback share one connection: take turns.
-        self.lock = asyncio.Lock()
+    consumer: AIOKafkaConsumer
+    conn: asyncpg.Connection
+    topic: str
+    progress: Progress
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """The loop's transactions and this callback share one connection: they take turns."""
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         return None

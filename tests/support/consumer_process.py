@@ -44,15 +44,14 @@ async def main(args: argparse.Namespace) -> None:
             say(f"HUNG {msgs[0].partition} {msgs[0].offset} {tx.token}")
             await asyncio.Event().wait()
 
-    consumer = dedup.IdempotentConsumer(
+    consumer = support.consumer(
         handler,
-        topics=[args.topic],
+        args.topic,
+        args.bootstrap_servers,
+        pool,
         group_id=args.group,
-        bootstrap_servers=args.bootstrap_servers,
-        pool=pool,
-        key=dedup.keys.json_field("id"),
+        install_signal_handlers=True,  # SIGTERM stops it: the tests' clean exit
         batch_size=args.batch_size,
-        auto_offset_reset="earliest",
         session_timeout_ms=args.session_timeout_ms,
         heartbeat_interval_ms=max(args.session_timeout_ms // 6, 100),
         max_poll_interval_ms=args.max_poll_interval_ms,
