@@ -200,13 +200,20 @@ async def produce(
     return {str(partition): end for partition, end in ends.items()}
 
 
+async def _once_each(
+    conn: asyncpg.Connection, table: str, key: str, expected: Workload
+) -> tuple[int, list[str]]:
+    """The rows of ``table``, and a problem unless it holds one per distinct ``key`` expected."""
+    rows, keys = await conn.fetchrow(f"SELECT count(*), count(DISTINCT {key}) FROM {table}")
+    if rows == expected.distinct and keys == expected.distinct:
+        return rows, []
+    return rows, [f"{table}: {rows} rows, {keys} distinct {key}s, expected {expected.distinct}"]
+
+
 async def check(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str]:
     """One effect per distinct key and the expected per-account sums; ``(ok, what was found)``."""
-    rows, keys = await conn.fetchrow("SELECT count(*), count(DISTINCT key) FROM effects")
+    rows, problems = await _once_each(conn, "effects", "key", expected)
     totals = {r["account"]: r["total"] for r in await conn.fetch("SELECT * FROM accounts")}
-    problems = []
-    if rows != expected.distinct or keys != expected.distinct:
-        problems.append(f"effects: {rows} rows, {keys} distinct keys, expected {expected.distinct}")
     every = expected.totals.keys() | totals.keys()
     wrong = [a for a in every if totals.get(a) != expected.totals.get(a)]
     if wrong:
@@ -218,11 +225,8 @@ async def check(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str
 
 async def check_hot(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str]:
     """One payment row per distinct payment and every balance as expected (so their sum too)."""
-    rows, keys = await conn.fetchrow("SELECT count(*), count(DISTINCT id) FROM payments")
+    rows, problems = await _once_each(conn, "payments", "id", expected)
     balances = {r["id"]: r["balance"] for r in await conn.fetch("SELECT * FROM accounts")}
-    problems = []
-    if rows != expected.distinct or keys != expected.distinct:
-        problems.append(f"payments: {rows} rows, {keys} distinct ids, expected {expected.distinct}")
     wrong = [a for a in balances if balances[a] != expected.totals.get(a, 0)]
     if wrong or set(expected.totals) - set(balances):
         problems.append(f"{len(wrong)} balances differ (e.g. {sorted(wrong)[:3]})")
