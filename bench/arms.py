@@ -37,6 +37,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
 from bench import stats, workload
+from dedup import _sql as sql
 
 ARMS = (
     "raw",
@@ -330,18 +331,16 @@ async def run_naive(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
     return clock.result(total)
 
 
+@dataclass
 class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
     """Offsets live in Postgres: start each assigned partition where the table says."""
 
-    def __init__(
-        self, consumer: AIOKafkaConsumer, conn: asyncpg.Connection, topic: str, progress: Progress
-    ) -> None:
-        self.consumer = consumer
-        self.conn = conn
-        self.topic = topic
-        self.progress = progress
-        # The loop's transactions and this callback share one connection: take turns.
-        self.lock = asyncio.Lock()
+    consumer: AIOKafkaConsumer
+    conn: asyncpg.Connection
+    topic: str
+    progress: Progress
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """The loop's transactions and this callback share one connection: they take turns."""
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         return None
@@ -551,13 +550,15 @@ def _dedup_handler(cfg: Config, clock: Clock) -> tuple[Any, dict[str, Any]]:
 
 
 async def _dedup_done(conn: asyncpg.Connection, cfg: Config) -> bool:
-    rows = await conn.fetch(
-        'SELECT "partition", next_offset FROM dedup.partitions WHERE group_id = $1 AND topic = $2',
-        cfg.group_id,
-        cfg.topic,
-    )
-    stored = {r["partition"]: r["next_offset"] or 0 for r in rows}
-    return all(stored.get(int(p), 0) >= end for p, end in cfg.end_offsets.items())
+    # The library's own query: the bench reads positions as the consumer does.
+    position = sql.Queries().partition_position
+    for partition, end in cfg.end_offsets.items():
+        row = await position.fetchrow(
+            conn, group_id=cfg.group_id, topic=cfg.topic, partition=int(partition)
+        )
+        if row is None or (row["next_offset"] or 0) < end:
+            return False
+    return True
 
 
 RUNNERS = {

@@ -25,6 +25,8 @@ from typing import Any
 import orjson
 
 from bench import arms, report, stats, workload
+from dedup_dev import database as dev_database
+from dedup_dev import services as dev_services
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results.json"
@@ -33,19 +35,10 @@ DEFAULT_BATCH_SIZES = (1, 10, 100, 500, 1000)
 
 def services() -> tuple[str, str]:
     """Kafka and Postgres: from the environment, else from compose/local's .services/env."""
-    env = ROOT / ".services" / "env"
-    local: dict[str, str] = {}
-    if env.exists():
-        pairs = (line.split("=", 1) for line in env.read_text().splitlines() if "=" in line)
-        local = {k.strip(): v.strip() for k, v in pairs}
-    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or local.get("KAFKA_BOOTSTRAP_SERVERS")
-    dsn = os.environ.get("DEDUP_DSN") or local.get("DEDUP_DSN")
-    if not kafka or not dsn:
-        sys.exit(
-            "no Kafka/Postgres: set KAFKA_BOOTSTRAP_SERVERS and DEDUP_DSN, "
-            "or start the local services with compose/local/up (make bench does)"
-        )
-    return kafka, dsn
+    found = dev_services.configured()
+    if found is None:
+        sys.exit(f"no Kafka/Postgres: {dev_services.HOW_TO_START} (make bench starts them)")
+    return found.bootstrap_servers, found.dsn
 
 
 def dedup_available() -> bool:
@@ -132,7 +125,7 @@ def run_arm(
     With ``profile``, the process runs under pyinstrument and its report is
     written there (the figures are then slowed by the profiler).
     """
-    asyncio.run(workload.create_database(admin_dsn, database))
+    asyncio.run(dev_database.create(admin_dsn, database))
     try:
         with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
             f.write(orjson.dumps(cfg.__dict__))
@@ -162,7 +155,7 @@ def run_arm(
         result["wall_s"] = round(time.monotonic() - started, 1)
         return result
     finally:
-        asyncio.run(workload.drop_database(admin_dsn, database))
+        asyncio.run(dev_database.drop(admin_dsn, database))
 
 
 @dataclass(frozen=True)
@@ -291,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     bootstrap_servers=kafka,
                     topic=feed.topic,
                     group_id=f"bench-{run_id}-{tag}-r{rnd}",
-                    dsn=workload.with_database(admin_dsn, f"bench_{run_id}_{tag}_r{rnd}"),
+                    dsn=dev_services.with_database(admin_dsn, f"bench_{run_id}_{tag}_r{rnd}"),
                     workload=feed.expected.as_dict(),
                     end_offsets=feed.end_offsets,
                     batch_size=size,

@@ -22,6 +22,8 @@ from typing import Any
 import orjson
 
 from bench import arms, run, stats, workload
+from dedup_dev import database as dev_database
+from dedup_dev import services as dev_services
 
 DEFAULT_OUT = run.ROOT / "bench" / "results-soak.json"
 
@@ -91,7 +93,7 @@ def _soak(
         bootstrap_servers=kafka,
         topic=topic,
         group_id=f"soak-{run_id}",
-        dsn=workload.with_database(admin_dsn, database),
+        dsn=dev_services.with_database(admin_dsn, database),
         workload=expected.as_dict(),
         end_offsets=end_offsets,
         measure_latency=False,
@@ -100,7 +102,7 @@ def _soak(
     )
     samples: list[dict[str, float]] = []
     result: dict[str, Any] = {}
-    asyncio.run(workload.create_database(admin_dsn, database))
+    asyncio.run(dev_database.create(admin_dsn, database))
     try:
         with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
             f.write(orjson.dumps(cfg.__dict__))
@@ -135,7 +137,7 @@ def _soak(
             result = {"ok": False, "error": f"the arm exited {proc.returncode}"}
     finally:
         ready.unlink(missing_ok=True)
-        asyncio.run(workload.drop_database(admin_dsn, database))
+        asyncio.run(dev_database.drop(admin_dsn, database))
     return samples, result
 
 

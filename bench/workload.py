@@ -13,17 +13,17 @@ transactions lock the same rows in no particular order.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from dedup_dev import kafka
 
 ACCOUNTS = 1000
 """Distinct accounts the aggregate is kept for."""
@@ -191,64 +191,29 @@ async def produce(
     Returns ``{partition (as a string): end offset}``: a consumer is done when
     it has applied every partition up to there.
     """
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap_servers, linger_ms=20, max_batch_size=256 * 1024, acks="all"
+    await kafka.produce(
+        bootstrap_servers, topic, records, linger_ms=20, max_batch_size=256 * 1024, acks="all"
     )
-    await producer.start()
-    try:
-        for chunk in _chunks(records, 10_000):
-            futures = [await producer.send(topic, value, key=key) for key, value in chunk]
-            await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers)
-    await consumer.start()
-    try:
-        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in range(partitions)])
-    finally:
-        await consumer.stop()
+    ends = await kafka.end_offsets(bootstrap_servers, topic, partitions)
     if sum(ends.values()) != len(records):
         raise RuntimeError(f"the topic holds {sum(ends.values())} records, not {len(records)}")
-    return {str(tp.partition): end for tp, end in ends.items()}
+    return {str(partition): end for partition, end in ends.items()}
 
 
-def _chunks(items: Sequence[tuple[bytes, bytes]], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def with_database(dsn: str, database: str) -> str:
-    """``dsn`` pointing at another database on the same server."""
-    base, _, _ = dsn.rpartition("/")
-    return f"{base}/{database}"
-
-
-async def _admin(admin_dsn: str, statement: str) -> None:
-    conn = await asyncpg.connect(admin_dsn)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
-async def create_database(admin_dsn: str, name: str) -> str:
-    """A new, empty database (``name`` is made by the harness); returns its DSN."""
-    await _admin(admin_dsn, f'CREATE DATABASE "{name}"')
-    return with_database(admin_dsn, name)
-
-
-async def drop_database(admin_dsn: str, name: str) -> None:
-    """Drop the database ``name`` (closing any session still on it)."""
-    await _admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+async def _once_each(
+    conn: asyncpg.Connection, table: str, key: str, expected: Workload
+) -> tuple[int, list[str]]:
+    """The rows of ``table``, and a problem unless it holds one per distinct ``key`` expected."""
+    rows, keys = await conn.fetchrow(f"SELECT count(*), count(DISTINCT {key}) FROM {table}")
+    if rows == expected.distinct and keys == expected.distinct:
+        return rows, []
+    return rows, [f"{table}: {rows} rows, {keys} distinct {key}s, expected {expected.distinct}"]
 
 
 async def check(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str]:
     """One effect per distinct key and the expected per-account sums; ``(ok, what was found)``."""
-    rows, keys = await conn.fetchrow("SELECT count(*), count(DISTINCT key) FROM effects")
+    rows, problems = await _once_each(conn, "effects", "key", expected)
     totals = {r["account"]: r["total"] for r in await conn.fetch("SELECT * FROM accounts")}
-    problems = []
-    if rows != expected.distinct or keys != expected.distinct:
-        problems.append(f"effects: {rows} rows, {keys} distinct keys, expected {expected.distinct}")
     every = expected.totals.keys() | totals.keys()
     wrong = [a for a in every if totals.get(a) != expected.totals.get(a)]
     if wrong:
@@ -260,11 +225,8 @@ async def check(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str
 
 async def check_hot(conn: asyncpg.Connection, expected: Workload) -> tuple[bool, str]:
     """One payment row per distinct payment and every balance as expected (so their sum too)."""
-    rows, keys = await conn.fetchrow("SELECT count(*), count(DISTINCT id) FROM payments")
+    rows, problems = await _once_each(conn, "payments", "id", expected)
     balances = {r["id"]: r["balance"] for r in await conn.fetch("SELECT * FROM accounts")}
-    problems = []
-    if rows != expected.distinct or keys != expected.distinct:
-        problems.append(f"payments: {rows} rows, {keys} distinct ids, expected {expected.distinct}")
     wrong = [a for a in balances if balances[a] != expected.totals.get(a, 0)]
     if wrong or set(expected.totals) - set(balances):
         problems.append(f"{len(wrong)} balances differ (e.g. {sorted(wrong)[:3]})")

@@ -25,16 +25,11 @@ import contextlib
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -43,29 +38,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import _conninfo as conninfo
 from dedup import _db as db
+from dedup_dev import database
+from dedup_dev import services as dedup_dev_services
+from dedup_dev.kafka import Topics
+from dedup_dev.services import HOW_TO_START, ROOT, Services, Unreachable, with_database, with_user
 
-ROOT = Path(__file__).resolve().parent.parent
-HOW_TO_START = (
-    "start them with `compose/local/up` (or `make test`, which does), "
-    "or point KAFKA_BOOTSTRAP_SERVERS and DEDUP_DSN at your own"
-)
-
-
-@dataclass(frozen=True)
-class Services:
-    """Where the test services answer."""
-
-    bootstrap_servers: str
-    """Kafka, as host:port."""
-    dsn: str
-    """Postgres, a DSN for a role that may create databases."""
-
-
-def _read_env_file(path: Path) -> dict[str, str]:
-    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-    return {k.strip(): v.strip() for k, v in pairs}
+__all__ = ["ROOT", "LoginAs", "NewDatabase", "Services", "Topics", "with_user"]
+"""What the tests import from here (the rest of dedup_dev they import from there)."""
 
 
 def _docker_answers() -> bool:
@@ -118,65 +98,42 @@ def services() -> Iterator[Services]:
                 f"{started.stderr}\n{HOW_TO_START}",
                 pytrace=False,
             )
-    local = _read_env_file(ROOT / ".services" / "env")
-    yield Services(kafka or local["KAFKA_BOOTSTRAP_SERVERS"], dsn or local["DEDUP_DSN"])
+    found = dedup_dev_services.configured()
+    assert found is not None, f"compose/local/up wrote no addresses; {HOW_TO_START}"
+    yield Services(kafka or found.bootstrap_servers, dsn or found.dsn)
 
 
-def _with_database(dsn: str, database: str) -> str:
-    base, _, _ = dsn.rpartition("/")
-    return f"{base}/{database}"
-
-
-async def _admin_connection(services: Services) -> asyncpg.Connection:
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """A service that does not answer fails the test with how to start it, no traceback."""
     try:
-        return await asyncpg.connect(services.dsn, timeout=10)
-    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
-        pytest.fail(
-            f"cannot reach Postgres at {conninfo.redact(services.dsn)}: {exc}; {HOW_TO_START}",
-            pytrace=False,
-        )
+        yield
+    except Unreachable as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def template_database(services: Services) -> Iterator[str]:
     """A database migrated once per run; each test's database is cloned from it."""
-    name = f"dedup_tpl_{uuid.uuid4().hex[:10]}"
+    name = database.unique_name("dedup_tpl_")
 
     async def create() -> None:
-        conn = await _admin_connection(services)
-        try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await conn.close()
-        await dedup.migrate(_with_database(services.dsn, name))
-
-    async def drop() -> None:
-        conn = await _admin_connection(services)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
+        with _reachable():
+            await dedup.migrate(await database.create(services.dsn, name))
 
     asyncio.run(create())
     yield name
-    asyncio.run(drop())
+    asyncio.run(database.drop(services.dsn, name))
 
 
 @pytest.fixture
 async def dsn(services: Services, template_database: str) -> AsyncIterator[str]:
     """A fresh, migrated database for this test alone."""
-    name = f"dedup_t_{uuid.uuid4().hex[:12]}"
-    conn = await _admin_connection(services)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    finally:
-        await conn.close()
-    yield _with_database(services.dsn, name)
-    conn = await _admin_connection(services)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
+    name = database.unique_name("dedup_t_")
+    with _reachable():
+        made = await database.create(services.dsn, name, template=template_database)
+    yield made
+    await database.drop(services.dsn, name)
 
 
 @pytest.fixture(scope="session")
@@ -195,8 +152,9 @@ def pgbouncer(services: Services) -> str:
         timeout=600,
         check=False,
     )
-    services_dir = Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")
-    dsn = _read_env_file(services_dir / "env").get("DEDUP_PGBOUNCER_DSN")
+    dsn = dedup_dev_services.read_env(dedup_dev_services.services_dir() / "env").get(
+        "DEDUP_PGBOUNCER_DSN"
+    )
     if started.returncode != 0 or not dsn:
         pytest.fail(
             f"pgbouncer is not running and `compose/local/up pgbouncer` failed:\n"
@@ -212,7 +170,7 @@ def pgbouncer(services: Services) -> str:
 @pytest.fixture
 def pgbouncer_dsn(pgbouncer: str, dsn: str) -> str:
     """This test's database (the ``dsn`` fixture's, made on the server) through pgbouncer."""
-    return _with_database(pgbouncer, dsn.rpartition("/")[2])
+    return with_database(pgbouncer, dsn.rpartition("/")[2])
 
 
 @pytest.fixture
@@ -229,16 +187,6 @@ def bootstrap_servers(services: Services) -> str:
     return services.bootstrap_servers
 
 
-async def _execute(services: Services, *statements: str) -> None:
-    """Run ``statements`` as the test services' admin role."""
-    conn = await _admin_connection(services)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 NewDatabase = Callable[[], Awaitable[str]]
 
 
@@ -248,19 +196,12 @@ async def new_database(services: Services) -> AsyncIterator[NewDatabase]:
     made: list[str] = []
 
     async def make() -> str:
-        made.append(f"dedup_e_{uuid.uuid4().hex[:12]}")
-        await _execute(services, f'CREATE DATABASE "{made[-1]}"')
-        return _with_database(services.dsn, made[-1])
+        made.append(database.unique_name("dedup_e_"))
+        return await database.create(services.dsn, made[-1])
 
     yield make
-    await _execute(services, *(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in made))
-
-
-def with_user(dsn: str, user: str) -> str:
-    """``dsn`` logging in as ``user`` (the test server trusts local connections)."""
-    parts = urlsplit(dsn)
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    if made:
+        await database.drop(services.dsn, *made)
 
 
 LoginAs = Callable[..., Awaitable[str]]
@@ -273,9 +214,11 @@ async def login_as(services: Services, dsn: str) -> AsyncIterator[LoginAs]:
     made: list[str] = []
 
     async def make(group: str, *, password: str | None = None) -> str:
-        made.append(f"t_{group}_{uuid.uuid4().hex[:8]}")
+        made.append(database.unique_name(f"t_{group}_"))
         given = "" if password is None else f" PASSWORD '{password}'"
-        await _execute(services, f'CREATE ROLE "{made[-1]}" LOGIN{given} IN ROLE {group}')
+        await database.execute(
+            services.dsn, f'CREATE ROLE "{made[-1]}" LOGIN{given} IN ROLE {group}'
+        )
         return with_user(dsn, made[-1])
 
     yield make
@@ -287,43 +230,6 @@ async def login_as(services: Services, dsn: str) -> AsyncIterator[LoginAs]:
         await conn.execute(f"DROP OWNED BY {users}; DROP ROLE {users}")
     finally:
         await conn.close()
-
-
-class Topics:
-    """Creates uniquely named topics for one test and deletes them afterwards."""
-
-    def __init__(self, bootstrap_servers: str) -> None:
-        self.bootstrap_servers = bootstrap_servers
-        self.created: list[str] = []
-
-    async def create(
-        self, partitions: int = 1, prefix: str = "t", config: dict[str, str] | None = None
-    ) -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
-        try:
-            await admin.start()
-        except Exception as exc:  # any failure here means "not reachable"
-            pytest.fail(
-                f"cannot reach Kafka at {self.bootstrap_servers}: {exc!r}; {HOW_TO_START}",
-                pytrace=False,
-            )
-        try:
-            await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])
-        finally:
-            await admin.close()
-        self.created.append(name)
-        return name
-
-    async def delete_all(self) -> None:
-        if not self.created:
-            return
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
-        await admin.start()
-        try:
-            await admin.delete_topics(self.created)
-        finally:
-            await admin.close()
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from aiokafka import AIOKafkaProducer
+from dedup_dev.kafka import produce as produce  # the tests call it helpers.produce
 
 T = TypeVar("T")
 
@@ -33,25 +33,3 @@ async def wait_for(
 async def equal(found: Awaitable[T], expected: T) -> bool:
     """``await found == expected``, as a probe for :func:`wait_for`."""
     return bool(await found == expected)
-
-
-async def produce(
-    bootstrap_servers: str,
-    topic: str,
-    records: Iterable[tuple[bytes | None, bytes]],
-    *,
-    partition: int | None = None,
-    headers: list[tuple[str, bytes]] | None = None,
-) -> int:
-    """Send ``(key, value)`` records and wait until all are acknowledged; return the count."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, linger_ms=5)
-    await producer.start()
-    try:
-        futures = [
-            await producer.send(topic, value, key=key, partition=partition, headers=headers)
-            for key, value in records
-        ]
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
-    return len(futures)

@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 import dedup
+from dedup_dev import database
 from tests.chaos import consumer_child, driver, report, scenarios, task_child
 from tests.chaos.services import DEFAULT_DIR, ChaosServices, ServicesError
-
-
-def _with_database(dsn: str, database: str) -> str:
-    base, _, _ = dsn.rpartition("/")
-    return f"{base}/{database}"
 
 
 @pytest.fixture(scope="session")
@@ -55,28 +49,16 @@ def chaos_services() -> Iterator[ChaosServices]:
 @pytest.fixture(scope="session")
 def chaos_template(chaos_services: ChaosServices) -> Iterator[str]:
     """A database migrated once, with the business tables; each run's is cloned from it."""
-    name = f"chaos_tpl_{uuid.uuid4().hex[:8]}"
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(chaos_services.dsn, timeout=30)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
+    name = database.unique_name("chaos_tpl_")
 
     async def create() -> None:
-        await admin(f'CREATE DATABASE "{name}"')
-        dsn = _with_database(chaos_services.dsn, name)
+        dsn = await database.create(chaos_services.dsn, name)
         await dedup.migrate(dsn)
-        conn = await asyncpg.connect(dsn)
-        try:
-            await conn.execute(consumer_child.EFFECTS + task_child.EFFECTS)
-        finally:
-            await conn.close()
+        await database.execute(dsn, consumer_child.EFFECTS + task_child.EFFECTS)
 
     asyncio.run(create())
     yield name
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(database.drop(chaos_services.dsn, name))
 
 
 @pytest.fixture
@@ -85,19 +67,11 @@ async def chaos_run(
 ) -> AsyncIterator[driver.RunContext]:
     """A fresh database for one run, and a folder for its children's logs."""
     await chaos_services.heal()
-    name = f"chaos_run_{uuid.uuid4().hex[:10]}"
-    conn: Any = await asyncpg.connect(chaos_services.dsn, timeout=30)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{chaos_template}"')
-    finally:
-        await conn.close()
-    yield driver.RunContext(chaos_services, _with_database(chaos_services.dsn, name), tmp_path)
+    name = database.unique_name("chaos_run_")
+    dsn = await database.create(chaos_services.dsn, name, template=chaos_template)
+    yield driver.RunContext(chaos_services, dsn, tmp_path)
     await chaos_services.heal()
-    conn = await asyncpg.connect(chaos_services.dsn, timeout=30)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
+    await database.drop(chaos_services.dsn, name)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

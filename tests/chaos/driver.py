@@ -55,9 +55,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
 from dedup import _db as db
+from dedup_dev.children import Child
 from tests import helpers
 from tests.chaos import oracle, report, scenarios
-from tests.chaos.children import Child
 from tests.chaos.services import ChaosServices, ServicesError
 
 T = TypeVar("T")

@@ -48,11 +48,16 @@ import aiokafka
 import orjson
 from aiokafka.structs import TopicPartition
 
+from dedup import _sql as sql
 from tests.chaos import scenarios
 
 EXAMPLES = 5
 MAX_ATTEMPTS = 3
 """The consumer's ``max_attempts`` (its default, which the children keep)."""
+MAX_PARTITIONS = max(
+    size.partitions for scenario in scenarios.SCENARIOS.values() for size in scenario.sizes.values()
+)
+"""No scenario's topic has more: the partitions a snapshot looks up."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +132,13 @@ class Snapshot:
 async def snapshot(conn: Any, group: str, topic: str, label: str, *, first_pass: bool) -> Snapshot:
     """Read offsets, business rows and dead letters in one snapshot."""
     async with conn.transaction(isolation="repeatable_read", readonly=True):
-        parts = await conn.fetch(
-            'SELECT "partition", next_offset FROM dedup.partitions'
-            " WHERE group_id = $1 AND topic = $2",
-            group,
-            topic,
-        )
+        # The library's own query, so the oracle reads positions as the consumer does.
+        positions = sql.Queries().partition_position
+        offsets = {}
+        for partition in range(MAX_PARTITIONS):
+            row = await positions.fetchrow(conn, group_id=group, topic=topic, partition=partition)
+            if row is not None:
+                offsets[partition] = row["next_offset"]
         effects = await conn.fetch('SELECT key, "partition", "offset" FROM chaos_effects')
         dead = await conn.fetch(
             'SELECT "partition", "offset" FROM dedup.dead_letters WHERE topic = $1', topic
@@ -140,7 +146,7 @@ async def snapshot(conn: Any, group: str, topic: str, label: str, *, first_pass:
     return Snapshot(
         label,
         first_pass,
-        {r["partition"]: r["next_offset"] for r in parts},
+        offsets,
         {r["key"] for r in effects},
         {(r["partition"], r["offset"]) for r in effects},
         {(r["partition"], r["offset"]) for r in dead},

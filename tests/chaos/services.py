@@ -18,7 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from dedup_dev.services import ROOT, read_env
+
 SCRIPTS = ROOT / "compose" / "local"
 SHARED_DIR = ROOT / ".services"
 DEFAULT_DIR = SHARED_DIR / "chaos"
@@ -30,14 +31,6 @@ on its port)."""
 
 class ServicesError(Exception):
     """The chaos services could not be started, stopped or restarted."""
-
-
-def read_env(path: Path) -> dict[str, str]:
-    """``NAME=value`` lines of an env file written by ``compose/local/up``."""
-    if not path.exists():
-        return {}
-    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-    return {k.strip(): v.strip() for k, v in pairs}
 
 
 def _port(address: str) -> str:
@@ -154,28 +147,11 @@ class ChaosServices:
             raise ServicesError("could not turn on track_commit_timestamp on the chaos Postgres")
 
     def _psql(self, sql: str) -> str:
-        run = subprocess.run(
-            [pg_bin() / "psql", self.dsn, "-Atqc", sql],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
-        )
-        if run.returncode != 0:
-            raise ServicesError(f"psql {sql!r} on the chaos Postgres failed: {run.stderr}")
-        return run.stdout.strip()
+        return _run([pg_bin() / "psql", self.dsn, "-Atqc", sql], f"psql {sql!r}", timeout=30)
 
     def _script_sync(self, name: str, *args: str) -> None:
-        run = subprocess.run(
-            [SCRIPTS / name, *args],
-            env=script_env(self.directory),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=300,
-        )
-        if run.returncode != 0:
-            raise ServicesError(f"compose/local/{name} {' '.join(args)} failed:\n{run.stderr}")
+        argv = [SCRIPTS / name, *args]
+        _run(argv, f"compose/local/{name} {' '.join(args)}", env=script_env(self.directory))
 
     # -------------------------------------------------------------- faults --
 
@@ -242,6 +218,18 @@ class ChaosServices:
                 f"after the restart {name} moved from {expected} to {now} (the port was "
                 "taken meanwhile); clients can't follow, so this run can't go on"
             )
+
+
+def _run(
+    argv: list[Path | str], what: str, *, env: dict[str, str] | None = None, timeout: float = 300
+) -> str:
+    """Run ``argv`` to its end; its stdout, or ServicesError saying ``what`` failed."""
+    run = subprocess.run(
+        argv, env=env, capture_output=True, text=True, check=False, timeout=timeout
+    )
+    if run.returncode != 0:
+        raise ServicesError(f"{what} on the chaos services failed:\n{run.stderr}")
+    return run.stdout.strip()
 
 
 def pg_bin() -> Path:

@@ -22,10 +22,10 @@ from opentelemetry.trace import StatusCode
 
 import dedup
 from dedup import keys
+from dedup_dev import effects as support
+from dedup_dev import kafka as kafka_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import kafka_support
 from tests.integration.test_foreign_producers import (
     KEEP_CODEC,
     Record,

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 import dedup
-from tests.integration import rows_support as rows
+from tests.support import rows
 
 KEY = dedup.keys.json_field("id")
 

@@ -14,10 +14,10 @@ import orjson
 import pytest
 
 import dedup
+from dedup_dev import effects as support
+from dedup_dev import kafka as kafka_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import kafka_support
 
 MODES = {
     "per_message_batch_1": {"handler": support.record_effect, "batch_size": 1},

@@ -1,7 +1,7 @@
 """The consumer under the faults of the failure model: kills, pauses, rebalances, lost connections.
 
 Consumers that get killed or paused run as real OS processes
-(:mod:`tests.integration.consumer_process`); the group test runs three
+(:mod:`tests.support.consumer_process`); the group test runs three
 consumers in this process.  Each scenario runs with ``batch_size=1`` and with
 the default batch size.
 """
@@ -20,10 +20,10 @@ import pytest
 import dedup
 from dedup import _db as db
 from dedup import _faults as faults
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration.processes import started
+from tests.support.consumer_process import started
 
 BATCH_SIZES = {"batch_size_1": 1, "batch_default": dedup._config.DEFAULT_BATCH_SIZE}
 
@@ -61,8 +61,8 @@ async def test_sigkill_mid_batch_three_times_applies_each_key_once(
     for _ in range(3):
         async with started(*common, "--hold", "0.3") as child:
             # Strike inside the second batch: its rows are written, not committed.
-            await child.expect("IN_BATCH")
-            line = await child.expect("IN_BATCH")
+            first, _ = await child.expect("IN_BATCH")
+            _, line = await child.expect("IN_BATCH", after=first + 1)
             await child.kill()
         _, partition, offset, _token = line.split()
         in_flight = await pool.fetchval(
@@ -93,7 +93,7 @@ async def test_paused_owner_is_fenced_after_another_takes_over(
     common = process_args(dsn, bootstrap_servers, topic, batch_size)
 
     async with started(*common, "--hold", "2", "--holder", "paused-A") as a:
-        line = await a.expect("IN_BATCH")
+        _, line = await a.expect("IN_BATCH")
         a.signal(signal.SIGSTOP)  # A holds an open transaction with its batch written
         _, _, first_offset, token_a = line.split()
         async with started(*common, "--holder", "B") as b:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration import docs_support
+from tests.support import docs as docs_support
 
 CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 

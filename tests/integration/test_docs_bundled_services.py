@@ -23,7 +23,8 @@ import orjson
 
 from tests import helpers
 from tests.conftest import ROOT, Topics
-from tests.integration import docs_support, service_support
+from tests.support import docs as docs_support
+from tests.support import service as service_support
 
 PAGE = ROOT / "docs" / "howto" / "bundled-services.md"
 SERVICES = ("payments", "coupons", "notifications")
@@ -163,7 +164,7 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
     notification = orjson.loads(text[9])
     assert "--port 8080" in text[10] and "http://127.0.0.1:8080/notifications" in text[12]
     async with service(text[10].replace("--port 8080", "--port 0")) as receiver:
-        url = (await receiver.expect("receiver listening on ")).split()[-1]
+        url = (await receiver.expect("receiver listening on "))[1].split()[-1]
         async with (
             service(text[11]) as consumer,
             service(text[12].replace("http://127.0.0.1:8080/notifications", url)) as dispatcher,

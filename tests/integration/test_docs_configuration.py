@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from consumers import payments
+from dedup_dev import effects as consumer_support
 from tests import helpers
 from tests.conftest import ROOT, Topics
-from tests.integration import consumer_support, docs_support
+from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "reference" / "configuration.md"
 

@@ -14,7 +14,7 @@ import inspect
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration import docs_support
+from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "concepts" / "guarantees.md"
 

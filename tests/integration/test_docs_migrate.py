@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from tests.conftest import ROOT
-from tests.integration import docs_support
+from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "reference" / "cli.md"
 

@@ -21,7 +21,7 @@ import orjson
 
 from tests import helpers
 from tests.conftest import ROOT, Services, Topics
-from tests.integration import docs_support
+from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "operations.md"
 SERVICES_DIR = Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")

@@ -20,7 +20,8 @@ import dedup
 from consumers import notifications, outbox, receiver, service
 from tests import helpers
 from tests.conftest import ROOT
-from tests.integration import docs_support, service_support
+from tests.support import docs as docs_support
+from tests.support import service as service_support
 
 PAGE = ROOT / "docs" / "howto" / "outbox.md"
 

@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer
 import dedup
 from tests import helpers
 from tests.conftest import ROOT, Topics
-from tests.integration import docs_support
+from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "quickstart.md"
 

@@ -19,8 +19,9 @@ import orjson
 
 import dedup
 from tests.conftest import ROOT
-from tests.integration import docs_support, service_support
 from tests.integration.test_service_statements import DAY
+from tests.support import docs as docs_support
+from tests.support import service as service_support
 
 PAGE = ROOT / "docs" / "howto" / "reconcile.md"
 

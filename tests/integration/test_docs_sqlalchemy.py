@@ -22,9 +22,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from dedup_dev import kafka as kafka_support
 from tests import helpers
 from tests.conftest import ROOT, Topics
-from tests.integration import docs_support, kafka_support
+from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "howto" / "sqlalchemy.md"
 

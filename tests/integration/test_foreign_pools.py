@@ -21,10 +21,10 @@ from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 import dedup
 from dedup import _audit as audit
 from dedup import _db as db
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import rows_support as rows
+from tests.support import rows
 
 EFFECTS = "CREATE TABLE effects (key text NOT NULL, payload jsonb NOT NULL)"
 

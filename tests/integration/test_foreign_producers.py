@@ -18,10 +18,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 import dedup
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import kafka_tools, processes
+from tests.support import consumer_process as processes
+from tests.support import kafka_tools
 
 CODECS = ("gzip", "snappy", "lz4", "zstd")
 KEEP_CODEC = {"compression.type": "producer"}  # the broker keeps each batch as it came
@@ -159,8 +160,7 @@ async def test_a_batch_that_cannot_be_decoded_stops_the_consumer_naming_where_an
     async with processes.started(*args, "--group", group, hide=["cramjam"]) as child:
         await child.expect("READY")
         code = await asyncio.wait_for(child.proc.wait(), 60)
-        assert child.proc.stderr is not None
-        stderr = (await child.proc.stderr.read()).decode()
+        stderr = await child.stderr()
     assert code == 1, stderr
     error = stderr.strip().splitlines()[-1]
     assert error.startswith("dedup.UndecodableBatchError: cannot decode a record batch")

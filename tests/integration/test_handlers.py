@@ -20,10 +20,10 @@ import pytest
 
 import dedup
 from dedup import _db as db
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import processes
+from tests.support import consumer_process as processes
 
 
 def item(i: int, **extra: Any) -> bytes:
@@ -519,7 +519,7 @@ async def test_sigterm_with_a_hung_handler_exits_within_shutdown_timeout(
             child.signal(signal.SIGINT)
         code = await asyncio.wait_for(child.proc.wait(), 4 + 5)
         took = time.monotonic() - started
-        stderr = (await child.proc.stderr.read()).decode()  # type: ignore[union-attr]
+        stderr = await child.stderr()
     assert code == 0, stderr[-2000:]
     if second_signal:
         assert took < 3.5, f"the second signal cuts at once ({took:.1f}s)"

@@ -26,9 +26,10 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
+from dedup_dev import database as dev_database
 from tests import helpers
 from tests.conftest import ROOT, Services
-from tests.integration import docs_support
+from tests.support import docs as docs_support
 
 INSTALL_PAGE = ROOT / "docs" / "install.md"
 QUICKSTART_BLOCKS = docs_support.snippets(ROOT / "docs" / "quickstart.md")
@@ -357,10 +358,10 @@ async def test_newcomer_follows_the_quickstart_to_a_balance_moved_once(
     ) = (body for _, body in QUICKSTART_BLOCKS)
     database = f"newcomer_{uuid.uuid4().hex[:8]}"
     topic = f"quickstart-payments-{uuid.uuid4().hex[:8]}"
-    await _admin(services, f'CREATE DATABASE "{database}"')
+    newcomer_dsn = await dev_database.create(services.dsn, database)
     shell = library_venv.env() | {
         "KAFKA_BOOTSTRAP_SERVERS": services.bootstrap_servers,
-        "DEDUP_DSN": _with_database(services.dsn, database),
+        "DEDUP_DSN": newcomer_dsn,
         "PAYMENTS_TOPIC": topic,
     }
     app_process = None
@@ -414,7 +415,7 @@ async def test_newcomer_follows_the_quickstart_to_a_balance_moved_once(
         if app_process is not None and app_process.returncode is None:
             app_process.kill()
             await app_process.wait()
-        await _admin(services, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await dev_database.drop(services.dsn, database)
         await _delete_topic(services, topic)
 
 
@@ -446,19 +447,6 @@ def _write_file(folder: Path, text: str) -> None:
     assert first.startswith("# ") and ".py" in first, first
     name = first[2:].split(":")[0].strip()
     (folder / name).write_text(text)
-
-
-def _with_database(dsn: str, database: str) -> str:
-    base, _, _ = dsn.rpartition("/")
-    return f"{base}/{database}"
-
-
-async def _admin(services: Services, sql: str) -> None:
-    conn = await asyncpg.connect(services.dsn)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 async def _delete_topic(services: Services, topic: str) -> None:

@@ -21,10 +21,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 import dedup
 from dedup import _cli as cli
 from dedup import keys
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration.audit_support import json_out, run_cli
+from tests.support.audit import json_out, run_cli
 
 LIMIT = 3 * 1024 * 1024
 """Topic and producer limit: a record with a 1 MiB key is past Kafka's default of ~1 MB."""

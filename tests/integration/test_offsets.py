@@ -14,10 +14,11 @@ from typing import Any
 import orjson
 import pytest
 
+from dedup_dev import effects as support
+from dedup_dev import kafka as kafka_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import kafka_support, kafka_tools
+from tests.support import kafka_tools
 
 
 def item(key: str) -> bytes:

@@ -14,11 +14,11 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from dedup_dev import effects as support
+from dedup_dev import kafka as kafka_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration import kafka_support
-from tests.integration.audit_support import json_out, run_cli_async
+from tests.support.audit import json_out, run_cli_async
 
 SHOW_FIELDS = {
     "group_id",

@@ -17,10 +17,10 @@ import asyncpg
 import orjson
 
 import dedup
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
-from tests.integration.audit_support import json_out, run_cli_async
+from tests.support.audit import json_out, run_cli_async
 
 NO_STATEMENT_CACHE = {"statement_cache_size": 0}
 
@@ -133,7 +133,7 @@ async def test_the_task_runner_runs_a_task_once_through_pgbouncer(
     rerun = await run_cli_async(
         "task",
         "run",
-        "tests.integration.task_jobs:record",
+        "tests.support.task_jobs:record",
         *("--task", "statements", "--key", "2026-11-30"),
         dsn=pgbouncer_dsn,
     )

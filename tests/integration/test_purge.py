@@ -14,11 +14,11 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import audit_support
-from tests.integration import consumer_support as support
-from tests.integration.audit_support import (
+from tests.support import audit as audit_support
+from tests.support.audit import (
     UTC,
     add_dead_letter,
     add_event,

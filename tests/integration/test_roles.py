@@ -15,10 +15,10 @@ import pytest
 
 import dedup
 from dedup import _sql as sql
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import LoginAs, Topics
-from tests.integration import consumer_support as support
-from tests.integration.audit_support import add_dead_letter, add_event, add_key, json_out, run_cli
+from tests.support.audit import add_dead_letter, add_event, add_key, json_out, run_cli
 
 RUNTIME_PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE"}
 # Tables whose rows the runtime role may not change once written.

@@ -32,9 +32,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from dedup import _cli as cli
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import LoginAs, Topics
-from tests.integration import consumer_support as support
 
 MARK = uuid.uuid4().hex
 """In every password of this run; found in none of the outputs."""

@@ -13,9 +13,10 @@ import orjson
 
 import dedup
 from consumers import coupons
+from dedup_dev import effects as consumer_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support, service_support
+from tests.support import service as service_support
 
 DAY = "2026-11-30"
 

@@ -19,9 +19,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from consumers import notifications, outbox, receiver, service
+from dedup_dev import effects as consumer_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support, service_support
+from tests.support import service as service_support
 
 DAY = "2026-11-30"
 
@@ -133,7 +134,7 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
             *("--receiver-url", downstream.url, "--claim-ttl", "1", "--timeout", "0.5"),
         )
         async with service_support.child(*dispatcher_args, env={**env, **hold}) as doomed:
-            _, key, token, status = (await doomed.expect("HELD")).split()
+            _, key, token, status = (await doomed.expect("HELD"))[1].split()
             assert (token, status) == ("1", "201")
             await doomed.stop(signal.SIGKILL)
         assert await delivered(pool) == {key: (1, 1, 0, 0)}

@@ -14,9 +14,10 @@ import pytest
 
 import dedup
 from consumers import payments
+from dedup_dev import effects as consumer_support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support, service_support
+from tests.support import service as service_support
 
 DAY = "2026-11-30"
 

@@ -15,7 +15,7 @@ import pytest
 
 import dedup
 from consumers import service, statements
-from tests.integration import service_support
+from tests.support import service as service_support
 
 DAY = "2026-11-30"
 

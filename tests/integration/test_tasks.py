@@ -1,8 +1,8 @@
 """``dedup.TaskRunner`` and ``dedup task run``: once per (task, business key), across processes.
 
 Runners in other processes are ``dedup task run`` started by
-:mod:`tests.integration.task_worker`; every job proves it ran by a row in
-``job_runs`` (:mod:`tests.integration.task_jobs`), written under its token.
+:mod:`tests.support.task_worker`; every job proves it ran by a row in
+``job_runs`` (:mod:`tests.support.task_jobs`), written under its token.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from tests import helpers
-from tests.integration import task_jobs, task_worker
+from tests.support import task_jobs, task_worker
 
-JOBS = "tests.integration.task_jobs"
+JOBS = "tests.support.task_jobs"
 DAY = "2024-05-31"
 
 

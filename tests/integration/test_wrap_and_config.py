@@ -9,9 +9,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 import dedup
+from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import Topics
-from tests.integration import consumer_support as support
 
 
 async def test_wrap_gives_the_same_guarantees_in_your_own_loop(

@@ -1,32 +1,31 @@
 """A consumer in its own OS process, for tests that kill, pause or crowd it.
 
-    python -m tests.integration.consumer_process --dsn DSN --bootstrap-servers HOST:PORT \
+    python -m tests.support.consumer_process --dsn DSN --bootstrap-servers HOST:PORT \
         --topic T --group G [--batch-size N] [--hold SECONDS] [--idle-timeout-ms MS]
 
-It applies the ``effects`` rows of :mod:`tests.integration.consumer_support`
+It applies the ``effects`` rows of :mod:`dedup_dev.effects`
 with the batch handler.  ``--hold`` keeps each batch's transaction open that long
 after its writes, and prints ``IN_BATCH <partition> <first offset> <token>`` just before, so
 a test can strike while a batch is in flight.  It prints ``READY <holder>`` once
 running and ``STATS <json>`` when it stops cleanly (SIGTERM).
+
+The test side is :func:`started`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
-
-import orjson
+from collections.abc import Sequence
 
 import dedup
 from dedup import _db as db
-from tests.integration import consumer_support as support
-
-
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+from dedup_dev import children
+from dedup_dev import effects as support
+from dedup_dev.children import say
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -45,15 +44,14 @@ async def main(args: argparse.Namespace) -> None:
             say(f"HUNG {msgs[0].partition} {msgs[0].offset} {tx.token}")
             await asyncio.Event().wait()
 
-    consumer = dedup.IdempotentConsumer(
+    consumer = support.consumer(
         handler,
-        topics=[args.topic],
+        args.topic,
+        args.bootstrap_servers,
+        pool,
         group_id=args.group,
-        bootstrap_servers=args.bootstrap_servers,
-        pool=pool,
-        key=dedup.keys.json_field("id"),
+        install_signal_handlers=True,  # SIGTERM stops it: the tests' clean exit
         batch_size=args.batch_size,
-        auto_offset_reset="earliest",
         session_timeout_ms=args.session_timeout_ms,
         heartbeat_interval_ms=max(args.session_timeout_ms // 6, 100),
         max_poll_interval_ms=args.max_poll_interval_ms,
@@ -68,7 +66,7 @@ async def main(args: argparse.Namespace) -> None:
     try:
         await consumer.run()
     finally:
-        say("STATS " + orjson.dumps(dict(consumer.stats)).decode())
+        children.say_json("STATS", dict(consumer.stats))
         await pool.close()
 
 
@@ -88,6 +86,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-timeout-ms", type=int, default=3000)
     p.add_argument("--max-poll-interval-ms", type=int, default=300_000)
     return p.parse_args(argv)
+
+
+def started(
+    *args: str, hide: Sequence[str] = ()
+) -> contextlib.AbstractAsyncContextManager[children.Child]:
+    """This module as a child process (killed on the way out); ``hide``: modules it can't import."""
+    return children.started(__name__, *args, hide=hide)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A ``dedup`` CLI process for the task tests: optionally a wrong wall clock and a start barrier.
 
-    python -m tests.integration.task_worker [--clock-offset S] [--ready F --go F] -- ARGS...
+    python -m tests.support.task_worker [--clock-offset S] [--ready F --go F] -- ARGS...
 
 runs ``dedup ARGS...`` (``dedup._cli.main``) and exits with its code.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from dedup_dev.services import ROOT
 
 
 def shift_clock(seconds: float) -> None:
@@ -112,7 +112,7 @@ async def start(
     env: dict[str, str] | None = None,
 ) -> Worker:
     """Start ``dedup ARGS...`` in a new process (``sys.executable``)."""
-    argv = [sys.executable, "-m", "tests.integration.task_worker"]
+    argv = [sys.executable, "-m", __name__]
     if clock_offset is not None:
         argv += ["--clock-offset", str(clock_offset)]
     if ready is not None and go is not None:

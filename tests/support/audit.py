@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from tests.integration import consumer_support
+from dedup_dev import effects
 
 UTC = datetime.UTC
 
@@ -179,6 +179,4 @@ async def add_event(
 
 def consumer(handler: Any, topic: str, bootstrap_servers: str, pool: Any, **kw: Any) -> Any:
     """An IdempotentConsumer of ``topic`` keyed by ``payment_id``, reading from the start."""
-    return consumer_support.consumer(
-        handler, topic, bootstrap_servers, pool, key_field="payment_id", **kw
-    )
+    return effects.consumer(handler, topic, bootstrap_servers, pool, key_field="payment_id", **kw)

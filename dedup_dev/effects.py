@@ -1,4 +1,4 @@
-"""A business table and handlers shared by the consumer tests.
+"""The ``effects`` business table, its handlers, and the consumer the tests build on it.
 
 ``effects`` has no unique constraint on purpose: a message applied twice shows
 up as two rows, so tests can count doubles instead of hitting an error.
@@ -64,21 +64,24 @@ def consumer(
     *,
     key_field: str = "id",
     key: Any = None,
+    group_id: str | None = None,
     **options: Any,
 ) -> dedup.IdempotentConsumer:
-    """An IdempotentConsumer of ``topic`` in its own group, from offset 0.
+    """An IdempotentConsumer of ``topic`` in its own group (``g-<topic>``), from offset 0.
 
     Keyed by the JSON field ``key_field``, or by the strategy ``key`` when one is given.
+    It leaves the process's signals alone unless ``install_signal_handlers=True``
+    (a consumer that is a process of its own).
     """
+    options.setdefault("install_signal_handlers", False)
     return dedup.IdempotentConsumer(
         handler,
         topics=[topic],
-        group_id=f"g-{topic}",
+        group_id=group_id or f"g-{topic}",
         bootstrap_servers=bootstrap_servers,
         pool=pool,
         key=key or dedup.keys.json_field(key_field),
         auto_offset_reset="earliest",
-        install_signal_handlers=False,
         **options,
     )
 

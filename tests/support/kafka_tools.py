@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tests.conftest import ROOT
+from dedup_dev.services import ROOT
 
 KAFKA_TOOL = ROOT / "compose" / "local" / "kafka-tool"
 TIMEOUT = 180.0  # the first run may fetch the jars

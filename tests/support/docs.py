@@ -13,8 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dedup_dev.services import ROOT
+
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-ROOT = Path(__file__).resolve().parent.parent.parent
 CLI_OFFSETS = "## `dedup offsets"
 """The heading of docs/reference/cli.md's section run by test_docs_offsets.py."""
 CLI_MIGRATE = "## `dedup migrate`"

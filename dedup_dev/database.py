@@ -1,0 +1,46 @@
+"""Databases made and dropped on the development server, one per test, run or arm.
+
+Names are made here or by the caller, never taken from input: they are quoted
+into the statements as they are.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import asyncpg
+
+from dedup import _conninfo as conninfo
+from dedup_dev import services
+
+
+def unique_name(prefix: str) -> str:
+    """``prefix`` and 12 random hex digits: a database name no other run takes."""
+    return f"{prefix}{uuid.uuid4().hex[:12]}"
+
+
+async def execute(admin_dsn: str, *statements: str) -> None:
+    """Run ``statements`` in turn on one connection of ``admin_dsn``."""
+    try:
+        conn = await asyncpg.connect(admin_dsn, timeout=30)
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        raise services.Unreachable(
+            f"cannot reach Postgres at {conninfo.redact(admin_dsn)}: {exc}; {services.HOW_TO_START}"
+        ) from exc
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def create(admin_dsn: str, name: str, *, template: str | None = None) -> str:
+    """A new database ``name`` (a copy of ``template`` if given); returns its DSN."""
+    copy = f' TEMPLATE "{template}"' if template else ""
+    await execute(admin_dsn, f'CREATE DATABASE "{name}"{copy}')
+    return services.with_database(admin_dsn, name)
+
+
+async def drop(admin_dsn: str, *names: str) -> None:
+    """Drop the databases ``names`` (closing any session still on them)."""
+    await execute(admin_dsn, *(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in names))

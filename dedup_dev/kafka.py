@@ -1,0 +1,149 @@
+"""Kafka for development: topics made and deleted, records produced, offsets read."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.structs import TopicPartition
+
+from dedup_dev import services
+
+
+class Topics:
+    """Creates uniquely named topics for one test and deletes them afterwards."""
+
+    def __init__(self, bootstrap_servers: str) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.created: list[str] = []
+
+    async def create(
+        self, partitions: int = 1, prefix: str = "t", config: dict[str, str] | None = None
+    ) -> str:
+        """A new topic ``<prefix>-<12 hex>`` with ``partitions``; its name."""
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        try:
+            await admin.start()
+        except Exception as exc:  # any failure here means "not reachable"
+            raise services.Unreachable(
+                f"cannot reach Kafka at {self.bootstrap_servers}: {exc!r}; {services.HOW_TO_START}"
+            ) from exc
+        try:
+            await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])
+        finally:
+            await admin.close()
+        self.created.append(name)
+        return name
+
+    async def delete_all(self) -> None:
+        """Delete every topic made here."""
+        if not self.created:
+            return
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        await admin.start()
+        try:
+            await admin.delete_topics(self.created)
+        finally:
+            await admin.close()
+
+
+async def produce(
+    bootstrap_servers: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    *,
+    partition: int | None = None,
+    headers: list[tuple[str, bytes]] | None = None,
+    chunk: int = 10_000,
+    **options: object,
+) -> int:
+    """Send ``(key, value)`` records and wait until all are acknowledged; return the count.
+
+    ``options`` go to the producer (``linger_ms`` is 5 unless given); acknowledgements are
+    awaited every ``chunk`` records, so a large workload holds few futures at once.
+    """
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, **{"linger_ms": 5, **options})
+    await producer.start()
+    sent = 0
+    try:
+        futures = []
+        for key, value in records:
+            futures.append(
+                await producer.send(topic, value, key=key, partition=partition, headers=headers)
+            )
+            if len(futures) >= chunk:
+                sent += len(await asyncio.gather(*futures))
+                futures = []
+        sent += len(await asyncio.gather(*futures))
+    finally:
+        await producer.stop()
+    return sent
+
+
+async def committed(bootstrap_servers: str, group: str, topic: str | None = None) -> dict[int, int]:
+    """Kafka's committed offset of each partition of ``group`` (as Kafka's lag tools read it).
+
+    With ``topic``, of that topic's partitions only (a group may consume several).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {
+        tp.partition: meta.offset
+        for tp, meta in offsets.items()
+        if meta.offset >= 0 and topic in (None, tp.topic)
+    }
+
+
+async def end_offsets(bootstrap_servers: str, topic: str, partitions: int) -> dict[int, int]:
+    """The end offset (log end, transaction markers included) of each partition."""
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers)
+    await reader.start()
+    try:
+        ends = await reader.end_offsets([TopicPartition(topic, p) for p in range(partitions)])
+    finally:
+        await reader.stop()
+    return {tp.partition: offset for tp, offset in ends.items()}
+
+
+async def reset(bootstrap_servers: str, group: str, topic: str, offsets: Mapping[int, int]) -> None:
+    """Commit ``offsets`` for a stopped group, as ``kafka-consumer-groups --reset-offsets`` does."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        consumer.assign([TopicPartition(topic, p) for p in offsets])
+        await consumer.commit({TopicPartition(topic, p): o for p, o in offsets.items()})
+    finally:
+        await consumer.stop()
+
+
+async def produce_transactions(
+    bootstrap_servers: str,
+    topic: str,
+    transactions: Iterable[tuple[bool, Sequence[tuple[int, bytes]]]],
+) -> None:
+    """Send each ``(commit, [(partition, value), ...])`` in a transaction, committed or aborted."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers, transactional_id=f"tx-{uuid.uuid4().hex[:12]}"
+    )
+    await producer.start()
+    try:
+        for commit, records in transactions:
+            await producer.begin_transaction()
+            for partition, value in records:
+                await producer.send_and_wait(topic, value, partition=partition)
+            if commit:
+                await producer.commit_transaction()
+            else:
+                await producer.abort_transaction()
+    finally:
+        await producer.stop()

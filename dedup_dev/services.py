@@ -1,0 +1,72 @@
+"""Where the development Kafka and Postgres answer, and how to start them when they don't.
+
+Your own services (``KAFKA_BOOTSTRAP_SERVERS`` and ``DEDUP_DSN``) come first;
+else the ones ``compose/local/up`` started, whose addresses it wrote to
+``.services/env`` (or ``$DEDUP_SERVICES_DIR/env``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The checkout."""
+
+HOW_TO_START = (
+    "start them with `compose/local/up` (or `make test`, which does), "
+    "or point KAFKA_BOOTSTRAP_SERVERS and DEDUP_DSN at your own"
+)
+
+
+class Unreachable(Exception):
+    """A development service does not answer; the message says how to start it."""
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where the services answer."""
+
+    bootstrap_servers: str
+    """Kafka, as host:port."""
+    dsn: str
+    """Postgres, a DSN for a role that may create databases."""
+
+
+def services_dir() -> Path:
+    """The folder ``compose/local/up`` keeps its services in."""
+    return Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")
+
+
+def read_env(path: Path) -> dict[str, str]:
+    """The ``NAME=value`` lines of an env file written by ``compose/local/up`` ({} if none)."""
+    if not path.exists():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def configured() -> Services | None:
+    """The services of the environment, each completed from ``.services/env``; None if either
+    is missing."""
+    local = read_env(services_dir() / "env")
+    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or local.get("KAFKA_BOOTSTRAP_SERVERS")
+    dsn = os.environ.get("DEDUP_DSN") or local.get("DEDUP_DSN")
+    if not kafka or not dsn:
+        return None
+    return Services(kafka, dsn)
+
+
+def with_database(dsn: str, database: str) -> str:
+    """``dsn`` pointing at another database on the same server."""
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{database}"
+
+
+def with_user(dsn: str, user: str) -> str:
+    """``dsn`` logging in as ``user`` (the development server trusts local connections)."""
+    parts = urlsplit(dsn)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
