@@ -146,11 +146,11 @@ async def migrate(
     With ``schema_name=None`` dedup's tables are left alone and each component's
     migrations are recorded in a schema of the component's name.
     """
-    applied = [] if schema_name is None else await dedup.migrate(target, schema_name=schema_name)
+    applied = [] if schema_name is None else await dedup.migrate(target, schema=schema_name)
     for component in components:
         applied += await dedup.migrate(
             target,
-            schema_name=schema_name or component,
+            schema=schema_name or component,
             directory=SQL / component,
             component=component,
         )

@@ -25,8 +25,7 @@ from dedup._leases import Lease, Leases
 from dedup._message import ClaimResult, Message, Outcome, Tx
 from dedup._migrations import migrate
 from dedup._reconciliation import Check as ReconcileCheck
-from dedup._reconciliation import Report as ReconcileReport
-from dedup._reconciliation import reconcile
+from dedup._reconciliation import ReconcileReport, reconcile
 from dedup._tasks import TaskOutcome, TaskRun, TaskRunner
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.

@@ -13,6 +13,8 @@ docs/reference/cli.md; the field names are a contract.
 from __future__ import annotations
 
 import datetime
+import getpass
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +27,6 @@ from dedup import _report as report
 from dedup import _sql as sql
 from dedup import _timespec as timespec
 from dedup import keys
-
-DEFAULT_LIMIT = 1000
 
 STATUSES = ("processed", "duplicate", "conflict", "dead_lettered")
 """What ``audit --status`` selects: claimed keys, keys that had duplicates or
@@ -74,6 +74,11 @@ EVENT_COLUMNS = (
 )
 
 
+def operator() -> str:
+    """Who runs an operator command, for the events it records: ``user@host``."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
 def parse_statuses(text: str) -> list[str]:
     """``duplicate,conflict`` -> the statuses, each one of :data:`STATUSES`."""
     found = [s.strip() for s in text.split(",") if s.strip()]
@@ -111,7 +116,7 @@ class Window:
         """Durations count back from the database's ``now()``."""
         if since is None and until is None:
             return cls()
-        now = await conn.fetchval(queries.database_now)
+        now = await queries.database_now.fetchval(conn)
         window = cls(timespec.resolve(since, now), timespec.resolve(until, now))
         window.check()
         return window
@@ -140,7 +145,7 @@ def nothing_matches(what: str, asked: Mapping[str, Any]) -> str:
 
 
 async def _namespaces(
-    conn: asyncpg.Connection, query: str, key: str | None, namespace: str | None
+    conn: asyncpg.Connection, query: sql.Query, key: str | None, namespace: str | None
 ) -> list[str] | None:
     # A key alone would scan the table: the index leads with the namespace.
     # Enumerating the few namespaces lets Postgres probe (namespace, key) instead.
@@ -148,13 +153,14 @@ async def _namespaces(
         return [namespace]
     if key is None:
         return None
-    return [r["namespace"] for r in await conn.fetch(query)]
+    return [r["namespace"] for r in await query.fetch(conn)]
 
 
-async def _limited(
-    conn: asyncpg.Connection, query: str, args: Sequence[Any], limit: int
+async def limited(
+    conn: asyncpg.Connection, query: sql.Query, limit: int, **values: Any
 ) -> tuple[list[dict[str, Any]], bool]:
-    records = await conn.fetch(query, *args, limit + 1)
+    """Up to ``limit`` rows of ``query`` as JSON-ready rows, and whether there were more."""
+    records = await query.fetch(conn, **values, limit=limit + 1)
     return [report.json_row(r) for r in records[:limit]], len(records) > limit
 
 
@@ -178,7 +184,7 @@ class AuditQuery:
     """First seen (dead letters: created) before."""
     statuses: Sequence[str] | None = None
     """Any of :data:`STATUSES`."""
-    limit: int = DEFAULT_LIMIT
+    limit: int = report.DEFAULT_LIMIT
     """Most rows per section."""
 
     def check(self) -> None:
@@ -196,14 +202,20 @@ class AuditQuery:
             )
 
 
-async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> report.Report:
+async def audit(conn: asyncpg.Connection, schema: str, q: AuditQuery) -> report.Report:
     """The claimed keys and dead letters matching ``q``."""
     q.check()
-    queries = sql.Queries(schema_name)
+    queries = sql.Queries(schema)
     window = await Window.resolve(conn, queries, q.since, q.until)
     statuses = set(q.statuses or STATUSES)
-    where = (q.topic, q.partition, q.offset, window.since, window.until)
-    stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
+    where = {
+        "keys": keys.lookup_forms(q.key) if q.key is not None else None,
+        "topic": q.topic,
+        "partition": q.partition,
+        "offset": q.offset,
+        "since": window.since,
+        "until": window.until,
+    }
 
     processed: list[dict[str, Any]] = []
     dead: list[dict[str, Any]] = []
@@ -211,20 +223,18 @@ async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> re
     processed_statuses = sorted(statuses - {"dead_lettered"})
     if processed_statuses:
         namespaces = await _namespaces(conn, queries.processed_namespaces, q.key, q.namespace)
-        processed, cut_processed = await _limited(
+        processed, cut_processed = await limited(
             conn,
             queries.audit_processed,
-            (stored_keys, namespaces, *where, processed_statuses),
             q.limit,
+            **where,
+            namespaces=namespaces,
+            statuses=processed_statuses,
         )
     if "dead_lettered" in statuses:
         namespaces = [q.namespace] if q.namespace is not None else None
-        only_pending = False
-        dead, cut_dead = await _limited(
-            conn,
-            queries.audit_dead_letters,
-            (stored_keys, namespaces, *where, only_pending),
-            q.limit,
+        dead, cut_dead = await limited(
+            conn, queries.audit_dead_letters, q.limit, **where, namespaces=namespaces, pending=False
         )
 
     asked = {
@@ -266,7 +276,7 @@ class EventsQuery:
     """At or after."""
     until: timespec.TimeSpec | None = None
     """Before."""
-    limit: int = DEFAULT_LIMIT
+    limit: int = report.DEFAULT_LIMIT
     """Most events."""
 
     def check(self) -> None:
@@ -283,10 +293,10 @@ class EventsQuery:
             )
 
 
-async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> report.Report:
+async def events(conn: asyncpg.Connection, schema: str, q: EventsQuery) -> report.Report:
     """The events matching ``q``, oldest first."""
     q.check()
-    queries = sql.Queries(schema_name)
+    queries = sql.Queries(schema)
     window = await Window.resolve(conn, queries, q.since, q.until)
     namespace = q.task if q.task is not None else q.namespace
     namespaces = await _namespaces(conn, queries.events_namespaces, q.key, namespace)
@@ -294,8 +304,18 @@ async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> 
     subjects = ["task", "lease"] if q.task is not None else None
     # A task's business key is stored as given; a message's key may be a digest.
     stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
-    args = (stored_keys, namespaces, q.resource, subjects, q.kind, window.since, window.until)
-    rows, cut = await _limited(conn, queries.audit_events, args, q.limit)
+    rows, cut = await limited(
+        conn,
+        queries.audit_events,
+        q.limit,
+        keys=stored_keys,
+        namespaces=namespaces,
+        resource=q.resource,
+        subjects=subjects,
+        kind=q.kind,
+        since=window.since,
+        until=window.until,
+    )
     for row in rows:  # JSON text (see queries.sql), whatever codecs the connection has
         row["detail"] = orjson.loads(row["detail"])
     if q.task is not None:

@@ -428,7 +428,7 @@ class IdempotentConsumer:
 
     async def _check_schema(self) -> None:
         """Refuse a schema that lacks a migration this dedup needs (it names the migration)."""
-        await migrations.check(self._pool, schema_name=self.store.schema_name)
+        await migrations.check(self._pool, schema=self.store.schema_name)
 
     async def _shutdown(self) -> None:
         """Stop within ``shutdown_timeout`` (plus a few seconds), whatever the handlers do."""

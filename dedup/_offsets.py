@@ -20,9 +20,7 @@ to the new ones at once, so Kafka's tools agree.
 from __future__ import annotations
 
 import datetime
-import getpass
 import logging
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -34,6 +32,7 @@ import aiokafka.errors
 import asyncpg
 from aiokafka.structs import TopicPartition
 
+from dedup import _audit as audit
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
@@ -89,11 +88,6 @@ def operator_holder(action: str, who: str) -> str:
 def is_operator(holder: str) -> bool:
     """True when ``holder`` is a ``dedup offsets`` command (see :func:`operator_holder`)."""
     return holder.startswith(OPERATOR_PREFIX)
-
-
-def default_who() -> str:
-    """``user@host`` of whoever runs the command."""
-    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 class GroupActiveError(errors.DedupError):
@@ -226,17 +220,17 @@ class ShowQuery:
     """The consumer group."""
     topic: str | None = None
     """The topic."""
-    limit: int = 1000
+    limit: int = report.DEFAULT_LIMIT
     """Most rows."""
 
 
 async def show(
-    conn: asyncpg.Connection, schema_name: str, q: ShowQuery, kafka: Kafka | None
+    conn: asyncpg.Connection, schema: str, q: ShowQuery, kafka: Kafka | None
 ) -> report.Report:
     """The stored offsets of ``q``'s partitions, with Kafka's end offsets and lag when asked."""
-    queries = sql.Queries(schema_name)
-    records = await conn.fetch(queries.offsets_list, q.group, q.topic, q.limit + 1)
-    rows = [report.json_row(r) for r in records[: q.limit]]
+    rows, cut = await audit.limited(
+        conn, sql.Queries(schema).offsets_list, q.limit, group_id=q.group, topic=q.topic
+    )
     columns: tuple[report.Column, ...] = SHOW_COLUMNS
     for row in rows:
         row.update(end_offset=None, lag=None, kafka_committed=None)
@@ -251,7 +245,7 @@ async def show(
             "limit": q.limit,
         },
         sections=[report.Section("partitions", "partitions", columns, rows)],
-        truncated=len(records) > q.limit,
+        truncated=cut,
         nothing="no stored offsets match" + _described(q.group, q.topic),
     )
 
@@ -354,7 +348,7 @@ class _Target:
 
 
 async def move(
-    conn: asyncpg.Connection, schema_name: str, m: Move, kafka: Kafka
+    conn: asyncpg.Connection, schema: str, m: Move, kafka: Kafka
 ) -> tuple[report.Report, str | None]:
     """Move ``m``'s partitions; return the report and a note for the operator, if any.
 
@@ -363,8 +357,8 @@ async def move(
     partition's log or a move in the wrong direction (nothing is moved then).
     """
     m.check()
-    queries = sql.Queries(schema_name)
-    when = timespec.resolve(m.to_time, await conn.fetchval(queries.database_now))
+    queries = sql.Queries(schema)
+    when = timespec.resolve(m.to_time, await queries.database_now.fetchval(conn))
     try:
         members = await kafka.members(m.group)
         if members and not m.yes:
@@ -377,23 +371,23 @@ async def move(
     except aiokafka.errors.KafkaError as exc:
         raise kafka.unavailable(exc) from exc
 
-    holder = operator_holder(m.action, m.who or default_who())
+    holder = operator_holder(m.action, m.who or audit.operator())
     async with db.transaction(conn, {"lock_timeout": LOCK_TIMEOUT}):
         await _lock(conn, queries, m, targets)
         moving = [t for t in targets if t.status != "unchanged"]
         if moving:
-            rows = await conn.fetch(
-                queries.offsets_move,
-                m.group,
-                m.topic,
-                holder,
-                [t.tp.partition for t in moving],
-                [t.offset for t in moving],
+            rows = await queries.offsets_move.fetch(
+                conn,
+                group_id=m.group,
+                topic=m.topic,
+                holder=holder,
+                partitions=[t.tp.partition for t in moving],
+                next_offsets=[t.offset for t in moving],
             )
             tokens = {r["partition"]: r["token"] for r in rows}
             for t in moving:
                 t.new_token = tokens[t.tp.partition]
-            await events.record(conn, schema_name, [_event(m, t, holder, when) for t in moving])
+            await events.record(conn, schema, [_event(m, t, holder, when) for t in moving])
 
     note = None
     committed = False
@@ -453,8 +447,8 @@ async def _lock(
 ) -> None:
     """Lock the partitions' rows, read where they stand and check the direction of the move."""
     try:
-        rows = await conn.fetch(
-            queries.offsets_lock, m.group, m.topic, [t.tp.partition for t in targets]
+        rows = await queries.offsets_lock.fetch(
+            conn, group_id=m.group, topic=m.topic, partitions=[t.tp.partition for t in targets]
         )
     except asyncpg.LockNotAvailableError as exc:
         raise errors.ServiceUnavailableError(

@@ -39,6 +39,7 @@ _PARAMETER = re.compile(
     r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|::|(?<![:\w]):([a-z_][a-z0-9_]*)"
 )
 _SQL = importlib.resources.files("dedup") / "sql"
+_DOLLAR_PARAMETER = re.compile(r"\$\d")  # TRANSITIONAL (issue 15)
 
 
 def quote(schema: str) -> str:
@@ -143,4 +144,4 @@ class Queries:
             raise AttributeError(f"no query named {name!r} under dedup/sql/queries") from None
         # TRANSITIONAL (issue 15): a query still written with $n is handed out as
         # its text, for the call sites not yet moved to keyword arguments.
-        return query if query.params else query.sql
+        return query.sql if _DOLLAR_PARAMETER.search(query.sql) and not query.params else query

@@ -20,16 +20,12 @@ _SQL_STATEMENT = re.compile(
 # its module moves, and then this list.
 _SQL_NOT_YET_MOVED = {
     "_consumer.py",
-    "_db.py",
-    "_drivers.py",
     "_events.py",
     "_leases.py",
-    "_migrations.py",
     "_store.py",
 }
 # TRANSITIONAL (issue 15): modules not yet split; each line goes as it is.
 _LONG_NOT_YET_SPLIT = {
-    "_cli.py",
     "_consumer.py",
     "_offsets.py",
     "_store.py",
