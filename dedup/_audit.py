@@ -32,45 +32,17 @@ STATUSES = ("processed", "duplicate", "conflict", "dead_lettered")
 """What ``audit --status`` selects: claimed keys, keys that had duplicates or
 conflicts suppressed, dead letters."""
 
-PROCESSED_COLUMNS = (
-    report.Column("namespace"),
-    report.Column("idempotency_key", "key"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("offset"),
-    report.Column("token"),
-    report.Column("status"),
-    report.Column("first_seen"),
-    report.Column("duplicates", "dups"),
-    report.Column("conflicts"),
-    report.Column("last_duplicate_at", "last duplicate"),
+PROCESSED_COLUMNS = report.columns(
+    "namespace, idempotency_key:key, topic, partition:part, offset, token, status, "
+    "first_seen, duplicates:dups, conflicts, last_duplicate_at:last duplicate"
 )
-DEAD_LETTER_COLUMNS = (
-    report.Column("id"),
-    report.Column("namespace"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("offset"),
-    report.Column("idempotency_key", "key"),
-    report.Column("reason"),
-    report.Column("attempts"),
-    report.Column("created_at"),
-    report.Column("replayed_at"),
+DEAD_LETTER_COLUMNS = report.columns(
+    "id, namespace, topic, partition:part, offset, idempotency_key:key, reason, "
+    "attempts, created_at, replayed_at"
 )
-EVENT_COLUMNS = (
-    report.Column("id"),
-    report.Column("at"),
-    report.Column("subject"),
-    report.Column("kind"),
-    report.Column("namespace"),
-    report.Column("key"),
-    report.Column("resource"),
-    report.Column("holder"),
-    report.Column("token"),
-    report.Column("from_state", "from"),
-    report.Column("to_state", "to"),
-    report.Column("trace_id"),
-    report.Column("detail"),
+EVENT_COLUMNS = report.columns(
+    "id, at, subject, kind, namespace, key, resource, holder, token, "
+    "from_state:from, to_state:to, trace_id, detail"
 )
 
 

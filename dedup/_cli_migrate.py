@@ -11,9 +11,7 @@ from dedup import _migrations as migrations
 from dedup import _report as report
 from dedup import _sql as sql
 
-_COLUMNS = [
-    report.Column(name) for name in ("component", "version", "name", "status", "applied_at")
-]
+_COLUMNS = report.columns("component, version, name, status, applied_at")
 
 
 async def _migrate(args: argparse.Namespace) -> int:

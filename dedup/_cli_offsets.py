@@ -9,15 +9,16 @@ from typing import Any
 from dedup import _cli_common as common
 from dedup import _errors as errors
 from dedup import _offsets as offsets
+from dedup import _offsets_kafka as offsets_kafka
 
 
 async def _show(args: argparse.Namespace) -> int:
     query = common.from_args(offsets.ShowQuery, args)
-    offsets.quiet_aiokafka()
+    offsets_kafka.quiet_aiokafka()
     async with common.connection(args) as conn:
         if not args.bootstrap_servers:
             return common.show(await offsets.show(conn, args.schema, query, None), args)
-        async with offsets.Kafka(args.bootstrap_servers) as kafka:
+        async with offsets_kafka.Kafka(args.bootstrap_servers) as kafka:
             return common.show(await offsets.show(conn, args.schema, query, kafka), args)
 
 
@@ -36,8 +37,11 @@ async def _move(args: argparse.Namespace) -> int:
             "to find the partitions' offsets and to write Kafka's committed offsets: pass "
             "--bootstrap-servers host:port or set KAFKA_BOOTSTRAP_SERVERS"
         )
-    offsets.quiet_aiokafka()
-    async with common.connection(args) as conn, offsets.Kafka(args.bootstrap_servers) as kafka:
+    offsets_kafka.quiet_aiokafka()
+    async with (
+        common.connection(args) as conn,
+        offsets_kafka.Kafka(args.bootstrap_servers) as kafka,
+    ):
         done, note = await offsets.move(conn, args.schema, request, kafka)
     common.show(done, args)  # before the note, on a terminal too
     if note:

@@ -135,17 +135,11 @@ async def show(conn: asyncpg.Connection, schema: str, dead_letter_id: int) -> re
     )
 
 
-REPLAYED_COLUMNS = (
-    report.Column("id"),
-    report.Column("namespace"),
-    report.Column("idempotency_key", "key"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("offset"),
-    report.Column("replayed_offset", "new offset"),
-    report.Column("replayed_at"),
+REPLAYED_COLUMNS = report.columns(
+    "id, namespace, idempotency_key:key, topic, partition:part, offset, "
+    "replayed_offset:new offset, replayed_at"
 )
-SKIPPED_COLUMNS = (report.Column("id"), report.Column("reason"))
+SKIPPED_COLUMNS = report.columns("id, reason")
 
 
 async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:

@@ -80,6 +80,15 @@ class Column:
         return self.heading or self.field
 
 
+def columns(spec: str) -> tuple[Column, ...]:
+    """Columns from ``"field, field:heading, ..."`` (``idempotency_key:key``)."""
+    found = []
+    for part in spec.split(","):
+        name, _, heading = part.strip().partition(":")
+        found.append(Column(name, heading))
+    return tuple(found)
+
+
 @dataclass
 class Section:
     """A named list of rows, e.g. ``processed`` or ``dead_letters``."""
