@@ -195,14 +195,8 @@ async def audit(conn: asyncpg.Connection, schema: str, q: AuditQuery) -> report.
     processed_statuses = sorted(statuses - {"dead_lettered"})
     if processed_statuses:
         namespaces = await _namespaces(conn, queries.processed_namespaces, q.key, q.namespace)
-        processed, cut_processed = await limited(
-            conn,
-            queries.audit_processed,
-            q.limit,
-            **where,
-            namespaces=namespaces,
-            statuses=processed_statuses,
-        )
+        wanted = {**where, "namespaces": namespaces, "statuses": processed_statuses}
+        processed, cut_processed = await limited(conn, queries.audit_processed, q.limit, **wanted)
     if "dead_lettered" in statuses:
         namespaces = [q.namespace] if q.namespace is not None else None
         dead, cut_dead = await limited(

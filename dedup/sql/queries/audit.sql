@@ -53,9 +53,9 @@ SELECT id, namespace, group_id, topic, "partition", "offset", timestamp_ms, idem
   FROM {schema}.dead_letters
  WHERE (:keys::text[] IS NULL OR idempotency_key = ANY(:keys))
    AND (:namespaces::text[] IS NULL OR namespace = ANY(:namespaces))
-   AND (:topic::text IS NULL OR topic = :topic)
-   AND (:partition::int IS NULL OR "partition" = :partition)
-   AND (:offset::bigint IS NULL OR "offset" = :offset)
+   AND topic = coalesce(:topic::text, topic)
+   AND "partition" = coalesce(:partition::int, "partition")
+   AND "offset" = coalesce(:offset::bigint, "offset")
    AND created_at >= coalesce(:since::timestamptz, '-infinity')
    AND created_at < coalesce(:until::timestamptz, 'infinity')
    AND (NOT :pending::bool OR replayed_at IS NULL)
