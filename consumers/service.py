@@ -144,11 +144,11 @@ async def migrate(
     With ``schema=None`` dedup's tables are left alone and each component's
     migrations are recorded in a schema of the component's name.
     """
-    applied = [] if schema is None else await dedup.migrate(target, schema_name=schema)
+    applied = [] if schema is None else await dedup.migrate(target, schema=schema)
     for component in components:
         applied += await dedup.migrate(
             target,
-            schema_name=schema or component,
+            schema=schema or component,
             directory=SQL / component,
             component=component,
         )

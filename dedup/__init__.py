@@ -26,8 +26,7 @@ from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
 from dedup._migrations import migrate
 from dedup._reconciliation import Check as ReconcileCheck
-from dedup._reconciliation import Report as ReconcileReport
-from dedup._reconciliation import reconcile
+from dedup._reconciliation import ReconcileReport, reconcile
 from dedup._task_command import run_task
 from dedup._task_run import TaskOutcome, TaskRun, TaskState
 from dedup._tasks import TaskRunner

@@ -6,13 +6,15 @@ suppressed) and any dead letter.  ``events`` tells the story of a key, a lease
 or partition (resource), or a task, from the append-only ``events`` table.
 
 Everything here is a plain SELECT, so it runs under the read-only
-``dedup_audit`` role (sql/0003_roles.sql).  The output format is documented in
+``dedup_audit`` role (dedup/sql/migrations/0003_roles.sql).  The output format is documented in
 docs/reference/cli.md; the field names are a contract.
 """
 
 from __future__ import annotations
 
 import datetime
+import getpass
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,52 +28,27 @@ from dedup import _sql as sql
 from dedup import _timespec as timespec
 from dedup import keys
 
-DEFAULT_LIMIT = 1000
-
 STATUSES = ("processed", "duplicate", "conflict", "dead_lettered")
 """What ``audit --status`` selects: claimed keys, keys that had duplicates or
 conflicts suppressed, dead letters."""
 
-PROCESSED_COLUMNS = (
-    report.Column("namespace"),
-    report.Column("idempotency_key", "key"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("offset"),
-    report.Column("token"),
-    report.Column("status"),
-    report.Column("first_seen"),
-    report.Column("duplicates", "dups"),
-    report.Column("conflicts"),
-    report.Column("last_duplicate_at", "last duplicate"),
+PROCESSED_COLUMNS = report.columns(
+    "namespace, idempotency_key:key, topic, partition:part, offset, token, status, "
+    "first_seen, duplicates:dups, conflicts, last_duplicate_at:last duplicate"
 )
-DEAD_LETTER_COLUMNS = (
-    report.Column("id"),
-    report.Column("namespace"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("offset"),
-    report.Column("idempotency_key", "key"),
-    report.Column("reason"),
-    report.Column("attempts"),
-    report.Column("created_at"),
-    report.Column("replayed_at"),
+DEAD_LETTER_COLUMNS = report.columns(
+    "id, namespace, topic, partition:part, offset, idempotency_key:key, reason, "
+    "attempts, created_at, replayed_at"
 )
-EVENT_COLUMNS = (
-    report.Column("id"),
-    report.Column("at"),
-    report.Column("subject"),
-    report.Column("kind"),
-    report.Column("namespace"),
-    report.Column("key"),
-    report.Column("resource"),
-    report.Column("holder"),
-    report.Column("token"),
-    report.Column("from_state", "from"),
-    report.Column("to_state", "to"),
-    report.Column("trace_id"),
-    report.Column("detail"),
+EVENT_COLUMNS = report.columns(
+    "id, at, subject, kind, namespace, key, resource, holder, token, "
+    "from_state:from, to_state:to, trace_id, detail"
 )
+
+
+def operator() -> str:
+    """Who runs an operator command, for the events it records: ``user@host``."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def parse_statuses(text: str) -> list[str]:
@@ -111,7 +88,7 @@ class Window:
         """Durations count back from the database's ``now()``."""
         if since is None and until is None:
             return cls()
-        now = await conn.fetchval(queries.database_now)
+        now = await queries.database_now.fetchval(conn)
         window = cls(timespec.resolve(since, now), timespec.resolve(until, now))
         window.check()
         return window
@@ -140,7 +117,7 @@ def nothing_matches(what: str, asked: Mapping[str, Any]) -> str:
 
 
 async def _namespaces(
-    conn: asyncpg.Connection, query: str, key: str | None, namespace: str | None
+    conn: asyncpg.Connection, query: sql.Query, key: str | None, namespace: str | None
 ) -> list[str] | None:
     # A key alone would scan the table: the index leads with the namespace.
     # Enumerating the few namespaces lets Postgres probe (namespace, key) instead.
@@ -148,13 +125,14 @@ async def _namespaces(
         return [namespace]
     if key is None:
         return None
-    return [r["namespace"] for r in await conn.fetch(query)]
+    return [r["namespace"] for r in await query.fetch(conn)]
 
 
-async def _limited(
-    conn: asyncpg.Connection, query: str, args: Sequence[Any], limit: int
+async def limited(
+    conn: asyncpg.Connection, query: sql.Query, limit: int, **values: Any
 ) -> tuple[list[dict[str, Any]], bool]:
-    records = await conn.fetch(query, *args, limit + 1)
+    """Up to ``limit`` rows of ``query`` as JSON-ready rows, and whether there were more."""
+    records = await query.fetch(conn, **values, limit=limit + 1)
     return [report.json_row(r) for r in records[:limit]], len(records) > limit
 
 
@@ -178,7 +156,7 @@ class AuditQuery:
     """First seen (dead letters: created) before."""
     statuses: Sequence[str] | None = None
     """Any of :data:`STATUSES`."""
-    limit: int = DEFAULT_LIMIT
+    limit: int = report.DEFAULT_LIMIT
     """Most rows per section."""
 
     def check(self) -> None:
@@ -196,14 +174,20 @@ class AuditQuery:
             )
 
 
-async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> report.Report:
+async def audit(conn: asyncpg.Connection, schema: str, q: AuditQuery) -> report.Report:
     """The claimed keys and dead letters matching ``q``."""
     q.check()
-    queries = sql.Queries(schema_name)
+    queries = sql.Queries(schema)
     window = await Window.resolve(conn, queries, q.since, q.until)
     statuses = set(q.statuses or STATUSES)
-    where = (q.topic, q.partition, q.offset, window.since, window.until)
-    stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
+    where = {
+        "keys": keys.lookup_forms(q.key) if q.key is not None else None,
+        "topic": q.topic,
+        "partition": q.partition,
+        "offset": q.offset,
+        "since": window.since,
+        "until": window.until,
+    }
 
     processed: list[dict[str, Any]] = []
     dead: list[dict[str, Any]] = []
@@ -211,20 +195,12 @@ async def audit(conn: asyncpg.Connection, schema_name: str, q: AuditQuery) -> re
     processed_statuses = sorted(statuses - {"dead_lettered"})
     if processed_statuses:
         namespaces = await _namespaces(conn, queries.processed_namespaces, q.key, q.namespace)
-        processed, cut_processed = await _limited(
-            conn,
-            queries.audit_processed,
-            (stored_keys, namespaces, *where, processed_statuses),
-            q.limit,
-        )
+        wanted = {**where, "namespaces": namespaces, "statuses": processed_statuses}
+        processed, cut_processed = await limited(conn, queries.audit_processed, q.limit, **wanted)
     if "dead_lettered" in statuses:
         namespaces = [q.namespace] if q.namespace is not None else None
-        only_pending = False
-        dead, cut_dead = await _limited(
-            conn,
-            queries.audit_dead_letters,
-            (stored_keys, namespaces, *where, only_pending),
-            q.limit,
+        dead, cut_dead = await limited(
+            conn, queries.audit_dead_letters, q.limit, **where, namespaces=namespaces, pending=False
         )
 
     asked = {
@@ -266,7 +242,7 @@ class EventsQuery:
     """At or after."""
     until: timespec.TimeSpec | None = None
     """Before."""
-    limit: int = DEFAULT_LIMIT
+    limit: int = report.DEFAULT_LIMIT
     """Most events."""
 
     def check(self) -> None:
@@ -283,10 +259,10 @@ class EventsQuery:
             )
 
 
-async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> report.Report:
+async def events(conn: asyncpg.Connection, schema: str, q: EventsQuery) -> report.Report:
     """The events matching ``q``, oldest first."""
     q.check()
-    queries = sql.Queries(schema_name)
+    queries = sql.Queries(schema)
     window = await Window.resolve(conn, queries, q.since, q.until)
     namespace = q.task if q.task is not None else q.namespace
     namespaces = await _namespaces(conn, queries.events_namespaces, q.key, namespace)
@@ -294,9 +270,19 @@ async def events(conn: asyncpg.Connection, schema_name: str, q: EventsQuery) -> 
     subjects = ["task", "lease"] if q.task is not None else None
     # A task's business key is stored as given; a message's key may be a digest.
     stored_keys = keys.lookup_forms(q.key) if q.key is not None else None
-    args = (stored_keys, namespaces, q.resource, subjects, q.kind, window.since, window.until)
-    rows, cut = await _limited(conn, queries.audit_events, args, q.limit)
-    for row in rows:  # JSON text (see queries.sql), whatever codecs the connection has
+    rows, cut = await limited(
+        conn,
+        queries.audit_events,
+        q.limit,
+        keys=stored_keys,
+        namespaces=namespaces,
+        resource=q.resource,
+        subjects=subjects,
+        kind=q.kind,
+        since=window.since,
+        until=window.until,
+    )
+    for row in rows:  # JSON text (see queries/audit.sql), whatever codecs the connection has
         row["detail"] = orjson.loads(row["detail"])
     if q.task is not None:
         asked: dict[str, Any] = {"task": q.task, "business_key": q.key}

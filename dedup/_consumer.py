@@ -271,7 +271,7 @@ class IdempotentConsumer:
         if not self._own_pool:
             size = max(1, min(size, _pool_size(self._pool) - 1))
         self._lanes = lanes.Lanes(self._pool, size)
-        await migrations.check(self._pool, schema_name=c.schema)
+        await migrations.check(self._pool, schema=c.schema)
         settings = await self._worker_settings()
         self._kafka = aiokafka.AIOKafkaConsumer(
             bootstrap_servers=c.bootstrap_servers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -13,6 +14,7 @@ import orjson
 
 from dedup import _conninfo as conninfo
 from dedup import _errors as errors
+from dedup import _sql as sql
 
 # SQLSTATE classes and codes after which the same transaction can succeed when
 # tried again: connection exceptions (08), serialization failure (40001),
@@ -147,13 +149,17 @@ def check_pool_options(options: Mapping[str, Any] | None, *, pool: Any) -> dict[
     return dict(options)
 
 
+@functools.cache
+def queries() -> sql.Queries:
+    """The queries that name no schema (``dedup/sql/queries/connections.sql``), built once."""
+    return sql.Queries()
+
+
 async def set_local(conn: asyncpg.Connection, settings: Mapping[str, str]) -> None:
     """Apply ``settings`` for the rest of the open transaction (``SET LOCAL``), in one statement."""
     if not settings:
         return
-    calls = ", ".join(f"set_config(${2 * i + 1}, ${2 * i + 2}, true)" for i in range(len(settings)))
-    args = [part for pair in settings.items() for part in pair]
-    await conn.execute("SELECT " + calls, *args)
+    await queries().set_local.execute(conn, names=list(settings), values=list(settings.values()))
 
 
 @contextlib.asynccontextmanager

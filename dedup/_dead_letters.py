@@ -12,8 +12,6 @@ copy landed.
 
 from __future__ import annotations
 
-import getpass
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +29,6 @@ from dedup import _timespec as timespec
 
 KAFKA_TIMEOUT_MS = 5000
 
-SHOW_COLUMNS = (report.Column("field"),)  # unused by the vertical layout, kept for the Section
-
 
 @dataclass(frozen=True)
 class ListQuery:
@@ -48,26 +44,26 @@ class ListQuery:
     """Dead-lettered before."""
     pending: bool = False
     """Only those not replayed yet."""
-    limit: int = audit.DEFAULT_LIMIT
+    limit: int = report.DEFAULT_LIMIT
     """Most rows."""
 
 
-async def list_(conn: asyncpg.Connection, schema_name: str, q: ListQuery) -> report.Report:
+async def list_(conn: asyncpg.Connection, schema: str, q: ListQuery) -> report.Report:
     """Dead letters matching ``q``, oldest first (without the record bytes: see :func:`show`)."""
-    queries = sql.Queries(schema_name)
+    queries = sql.Queries(schema)
     window = await audit.Window.resolve(conn, queries, q.since, q.until)
-    namespaces = [q.namespace] if q.namespace is not None else None
-    records = await conn.fetch(
+    rows, cut = await audit.limited(
+        conn,
         queries.audit_dead_letters,
-        None,
-        namespaces,
-        q.topic,
-        None,
-        None,
-        window.since,
-        window.until,
-        q.pending,
-        q.limit + 1,
+        q.limit,
+        keys=None,
+        namespaces=[q.namespace] if q.namespace is not None else None,
+        topic=q.topic,
+        partition=None,
+        offset=None,
+        since=window.since,
+        until=window.until,
+        pending=q.pending,
     )
     asked = {
         "namespace": q.namespace,
@@ -78,15 +74,8 @@ async def list_(conn: asyncpg.Connection, schema_name: str, q: ListQuery) -> rep
     }
     return report.Report(
         query=asked,
-        sections=[
-            report.Section(
-                "dead_letters",
-                "dead letters",
-                audit.DEAD_LETTER_COLUMNS,
-                [report.json_row(r) for r in records[: q.limit]],
-            )
-        ],
-        truncated=len(records) > q.limit,
+        sections=[report.Section("dead_letters", "dead letters", audit.DEAD_LETTER_COLUMNS, rows)],
+        truncated=cut,
         nothing=audit.nothing_matches("dead letters", asked),
     )
 
@@ -120,11 +109,12 @@ def _readable(value: bytes | None) -> str:
     return f"base64:{report.b64_bytes(value)}"
 
 
-async def show(conn: asyncpg.Connection, schema_name: str, dead_letter_id: int) -> report.Report:
+async def show(conn: asyncpg.Connection, schema: str, dead_letter_id: int) -> report.Report:
     """One dead letter whole: the record's key, value and headers, and why it failed."""
-    record = await conn.fetchrow(sql.Queries(schema_name).dead_letter_record, dead_letter_id)
+    record = await sql.Queries(schema).dead_letter_record.fetchrow(conn, id=dead_letter_id)
     rows = [_whole(record)] if record else []
-    section = report.Section("dead_letters", "dead letter", SHOW_COLUMNS, rows)
+    # Shown vertically: every field, no columns.
+    section = report.Section("dead_letters", "dead letter", (), rows)
     if record:
         readable = dict(rows[0])
         readable["key"] = _readable(record["key"])
@@ -145,22 +135,11 @@ async def show(conn: asyncpg.Connection, schema_name: str, dead_letter_id: int) 
     )
 
 
-def default_holder() -> str:
-    """Who replays, for the ``replayed`` event: ``user@host``."""
-    return f"{getpass.getuser()}@{socket.gethostname()}"
-
-
-REPLAYED_COLUMNS = (
-    report.Column("id"),
-    report.Column("namespace"),
-    report.Column("idempotency_key", "key"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("offset"),
-    report.Column("replayed_offset", "new offset"),
-    report.Column("replayed_at"),
+REPLAYED_COLUMNS = report.columns(
+    "id, namespace, idempotency_key:key, topic, partition:part, offset, "
+    "replayed_offset:new offset, replayed_at"
 )
-SKIPPED_COLUMNS = (report.Column("id"), report.Column("reason"))
+SKIPPED_COLUMNS = report.columns("id, reason")
 
 
 async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:
@@ -200,15 +179,15 @@ async def _missing_destination(
 async def _replay_one(
     conn: asyncpg.Connection,
     producer: aiokafka.AIOKafkaProducer,
-    schema_name: str,
+    schema: str,
     dead_letter_id: int,
     *,
     again: bool,
     holder: str,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Replay one dead letter; return (what was replayed, None) or (None, why not)."""
-    queries = sql.Queries(schema_name)
-    first = await conn.fetchrow(queries.dead_letter_record, dead_letter_id)
+    queries = sql.Queries(schema)
+    first = await queries.dead_letter_record.fetchrow(conn, id=dead_letter_id)
     if first is None:
         return None, "no dead letter with this id"
     # Found out before the row is locked: waiting for a missing topic takes seconds.
@@ -216,7 +195,7 @@ async def _replay_one(
     if missing:
         return None, missing
     async with conn.transaction():
-        record = await conn.fetchrow(queries.dead_letter_record + " FOR UPDATE", dead_letter_id)
+        record = await queries.dead_letter_locked.fetchrow(conn, id=dead_letter_id)
         if record["replayed_at"] is not None and not again:
             when = report.utc(record["replayed_at"])
             return None, f"replayed already at {when} (--again to resend)"
@@ -233,10 +212,10 @@ async def _replay_one(
                 f"dead letter {dead_letter_id}: Kafka did not take the record: {exc}; "
                 "it is not marked replayed, run the replay again"
             ) from exc
-        replayed_at = await conn.fetchval(queries.dead_letter_replayed, dead_letter_id)
+        replayed_at = await queries.dead_letter_replayed.fetchval(conn, id=dead_letter_id)
         await events.record(
             conn,
-            schema_name,
+            schema,
             [
                 events.Event(
                     "message",
@@ -267,7 +246,7 @@ async def _replay_one(
 
 async def replay(
     conn: asyncpg.Connection,
-    schema_name: str,
+    schema: str,
     ids: Sequence[int],
     *,
     bootstrap_servers: str,
@@ -287,10 +266,10 @@ async def replay(
             done, why = await _replay_one(
                 conn,
                 producer,
-                schema_name,
+                schema,
                 dead_letter_id,
                 again=again,
-                holder=holder or default_holder(),
+                holder=holder or audit.operator(),
             )
             if done is not None:
                 replayed.append(done)

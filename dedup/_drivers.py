@@ -12,6 +12,7 @@ from typing import Any
 
 import asyncpg
 
+from dedup import _db as db
 from dedup import _errors as errors
 
 
@@ -69,7 +70,7 @@ async def _sqlalchemy_connection(conn: Any, what: str) -> asyncpg.Connection | N
     if not driver.is_in_transaction():
         # SQLAlchemy's asyncpg adapter sends BEGIN with its first statement.
         # dedup's statements go to the driver directly, so that BEGIN must go first.
-        await conn.exec_driver_sql("SELECT 1")
+        await conn.exec_driver_sql(db.queries().nothing.sql)
     if not driver.is_in_transaction():
         raise errors.ConfigurationError(
             f"{what}: the SQLAlchemy connection runs in AUTOCOMMIT, so nothing would be "

@@ -33,33 +33,6 @@ log = logging.getLogger("dedup.migrations")
 
 _FILE = re.compile(r"(\d{4})_(\w+)\.sql")
 
-_LOCK = "SELECT pg_advisory_xact_lock(hashtext($1))"
-# Not CREATE SCHEMA IF NOT EXISTS: that needs CREATE on the database even when
-# the schema exists, which the owner of a schema a DBA made for it may lack.
-_CREATE_SCHEMA = """DO $schema$ BEGIN
-    IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = {name}) THEN
-        CREATE SCHEMA {schema};
-    END IF;
-END $schema$"""
-_CREATE_TABLE = """CREATE TABLE IF NOT EXISTS {schema}.migrations (
-    component  text        NOT NULL,
-    version    integer     NOT NULL,
-    name       text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (component, version)
-)"""
-_RECORD = "INSERT INTO {schema}.migrations (component, version, name) VALUES ($1, $2, $3)"
-_APPLIED = "SELECT component, version, name, applied_at FROM {schema}.migrations"
-_PRIVILEGES = """
-SELECT current_user AS role,
-       current_database() AS database,
-       n.oid IS NOT NULL AS schema_exists,
-       pg_get_userbyid(n.nspowner) AS owner,
-       coalesce(pg_has_role(n.nspowner, 'USAGE'), false) AS owns
-  FROM (SELECT 1) AS one
-  LEFT JOIN pg_catalog.pg_namespace n ON n.nspname = $1
-"""
-
 APPLIED = "applied"
 """Status of a migration recorded in the schema."""
 PENDING = "pending"
@@ -79,9 +52,9 @@ class Migration:
     path: Path
     """Where the SQL is."""
 
-    def sql(self, schema_name: str) -> str:
-        """The file's SQL for ``schema_name``."""
-        return sql.render(self.path.read_text(encoding="utf-8"), schema_name)
+    def sql(self, schema: str) -> str:
+        """The file's SQL for ``schema``."""
+        return sql.render(self.path.read_text(encoding="utf-8"), schema)
 
 
 @dataclass(frozen=True)
@@ -117,102 +90,84 @@ def discover(directory: Path) -> list[Migration]:
 async def migrate(
     dsn_or_pool: Any,
     *,
-    schema_name: str = sql.DEFAULT_SCHEMA,
+    schema: str = sql.DEFAULT_SCHEMA,
     directory: Path | None = None,
     component: str = "dedup",
 ) -> list[str]:
     """Bring the schema up to date; return the names of the migrations applied now.
 
     ``dsn_or_pool`` is a DSN string, an asyncpg pool or an asyncpg connection.
-    A DSN gets a connection without a statement cache (each statement runs
-    once anyway), so it works through a pooler in transaction mode too.
     A role that may not make the changes gets a ConfigurationError naming the
     role and what it needs.
     """
-    sql.quote(schema_name)  # fail fast, before connecting, on a bad name
+    queries = sql.Queries(schema)  # fails fast, before connecting, on a bad name
     shipped = discover(directory or sql.migrations_dir())
     async with db.connection(dsn_or_pool) as conn:
         try:
-            return await _apply(conn, schema_name, shipped, component)
+            return await _apply(conn, queries, shipped, component)
         except asyncpg.InsufficientPrivilegeError as exc:
-            raise await _privilege_error(conn, schema_name, exc) from exc
+            raise await _privilege_error(conn, queries, exc) from exc
 
 
 async def _apply(
-    conn: asyncpg.Connection,
-    schema_name: str,
-    shipped: list[Migration],
-    component: str,
+    conn: asyncpg.Connection, queries: sql.Queries, shipped: list[Migration], component: str
 ) -> list[str]:
     applied_now = []
     async with conn.transaction():
-        # The lock comes first: even creating the schema races otherwise.
-        await conn.execute(_LOCK, lock_key(schema_name))
-        rows = await _applied(conn, schema_name)
+        await queries.migration_lock.execute(conn)
+        rows = await _applied(conn, queries)
         done = {row["version"] for row in rows if row["component"] == component}
         pending = [m for m in shipped if m.version not in done]
         if not pending:
             return []
-        await conn.execute(_create_schema(schema_name))
-        await conn.execute(sql.render(_CREATE_TABLE, schema_name))
+        await queries.migration_create_schema.execute(conn)
+        await queries.migration_create_table.execute(conn)
         for migration in pending:
             try:
-                await conn.execute(migration.sql(schema_name))
+                await conn.execute(migration.sql(queries.schema))
             except asyncpg.InsufficientPrivilegeError:
                 raise
             except asyncpg.PostgresError as exc:
                 raise errors.MigrationError(
                     f"migration {migration.path.name} ({component}) failed: {exc}"
                 ) from exc
-            await conn.execute(
-                sql.render(_RECORD, schema_name),
-                component,
-                migration.version,
-                migration.name,
+            await queries.migration_record.execute(
+                conn, component=component, version=migration.version, name=migration.name
             )
             log.info("applied migration %s/%s", component, migration.path.name)
             applied_now.append(f"{component}/{migration.path.name}")
     return applied_now
 
 
-def lock_key(schema_name: str) -> str:
-    """The advisory lock migrations of ``schema_name`` take (hashed with ``hashtext``)."""
-    return "dedup.migrate:" + schema_name
-
-
-async def _applied(conn: Any, schema_name: str) -> list[asyncpg.Record]:
+async def _applied(conn: Any, queries: sql.Queries) -> list[asyncpg.Record]:
     """The rows of ``{schema}.migrations``; none when the table does not exist."""
-    table = f"{sql.quote(schema_name)}.migrations"
-    if await conn.fetchval("SELECT to_regclass($1)", table) is None:
+    if await queries.migration_table.fetchval(conn) is None:
         return []
-    rows: list[asyncpg.Record] = await conn.fetch(sql.render(_APPLIED, schema_name))
+    rows: list[asyncpg.Record] = await queries.migration_rows.fetch(conn)
     return rows
 
 
 async def status(
-    dsn_or_pool: Any,
-    *,
-    schema_name: str = sql.DEFAULT_SCHEMA,
-    directory: Path | None = None,
-    component: str = "dedup",
+    target: Any, *, schema: str = sql.DEFAULT_SCHEMA, directory: Path | None = None
 ) -> list[Status]:
     """Every migration of the schema and every one this dedup ships, applied or not.
 
     Read-only: a role granted ``dedup_audit`` may ask.  Rows of other
-    components (the bundled services) are listed as applied; ``component``'s
-    migrations are applied, pending or newer (applied, not shipped here).
+    components (the bundled services) are listed as applied; dedup's own
+    are applied, pending or newer (applied, not shipped here).
     """
-    sql.quote(schema_name)
+    queries = sql.Queries(schema)
     shipped = discover(directory or sql.migrations_dir())
-    async with db.connection(dsn_or_pool) as conn:
+    async with db.connection(target) as conn:
         try:
-            rows = await _applied(conn, schema_name)
+            rows = await _applied(conn, queries)
         except asyncpg.InsufficientPrivilegeError as exc:
             raise errors.ConfigurationError(
-                f"{await _role(conn)} may not read {sql.quote(schema_name)}.migrations ({exc}): "
-                "connect as a role granted dedup_runtime or dedup_audit "
+                f"{await _role(conn, queries)} may not read {sql.quote(schema)}.migrations "
+                f"({exc}): connect as a role granted dedup_runtime or dedup_audit "
                 "(docs/howto/audit-and-purge.md), or as the schema's owner"
             ) from exc
+    component = "dedup"
     known = {m.version for m in shipped}
     found = [
         Status(
@@ -235,39 +190,39 @@ async def status(
 
 
 async def pending(
-    dsn_or_pool: Any, *, schema_name: str = sql.DEFAULT_SCHEMA, directory: Path | None = None
+    target: Any, *, schema: str = sql.DEFAULT_SCHEMA, directory: Path | None = None
 ) -> list[Migration]:
     """The migrations this dedup ships that the schema lacks."""
     shipped = discover(directory or sql.migrations_dir())
-    missing = {
-        s.version
-        for s in await status(dsn_or_pool, schema_name=schema_name, directory=directory)
-        if s.status == PENDING
-    }
+    found = await status(target, schema=schema, directory=directory)
+    missing = {s.version for s in found if s.component == "dedup" and s.status == PENDING}
     return [m for m in shipped if m.version in missing]
 
 
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
+def _literal(value: str | int) -> str:
+    return str(value) if isinstance(value, int) else "'" + value.replace("'", "''") + "'"
 
 
-def _create_schema(schema_name: str) -> str:
-    return sql.render(_CREATE_SCHEMA, schema_name).replace("{name}", _literal(schema_name))
+def _inline(query: sql.Query, **values: str | int) -> str:
+    """``query`` with its parameters written as literals, for a script."""
+    literals = [_literal(value) for value in query.args(values)]
+    return re.sub(r"\$(\d+)", lambda n: literals[int(n[1]) - 1], query.sql)
 
 
 def script(
     migrations: list[Migration],
     *,
-    schema_name: str = sql.DEFAULT_SCHEMA,
+    schema: str = sql.DEFAULT_SCHEMA,
     component: str = "dedup",
 ) -> str:
-    """The SQL that applies ``migrations`` to ``schema_name`` the way :func:`migrate` does.
+    """The SQL that applies ``migrations`` to ``schema`` the way :func:`migrate` does.
 
     The same statements in the same order, each migration recorded in
     ``{schema}.migrations``, under the same advisory lock; meant to run in one
     transaction (``psql -1``, or a migration of alembic or flyway).
     """
-    quoted = sql.quote(schema_name)
+    queries = sql.Queries(schema)
+    quoted = sql.quote(schema)
     if not migrations:
         return f"-- {component} migrations for schema {quoted}: none pending\n"
     names = ", ".join(f"{m.version:04d}_{m.name}" for m in migrations)
@@ -279,64 +234,62 @@ def script(
     ]
     parts = [
         "\n".join(head),
-        f"DO $lock$ BEGIN PERFORM pg_advisory_xact_lock(hashtext("
-        f"{_literal(lock_key(schema_name))})); END $lock$;",
-        _create_schema(schema_name) + ";",
-        sql.render(_CREATE_TABLE, schema_name) + ";",
+        *(
+            f"{query.sql};"
+            for query in (
+                queries.migration_lock,
+                queries.migration_create_schema,
+                queries.migration_create_table,
+            )
+        ),
     ]
+    record = queries.migration_record
     for m in migrations:
-        # Text for a person or a tool to run, not a query of ours: the values are
-        # literals, quoted (the name is \w+, the schema a checked identifier).
-        record = (
-            f"INSERT INTO {quoted}.migrations (component, version, name)\n"  # noqa: S608
-            f"    VALUES ({_literal(component)}, {m.version}, {_literal(m.name)})\n"
-            "    ON CONFLICT (component, version) DO NOTHING;"
-        )
-        parts.append(f"-- {component}/{m.path.name}\n{m.sql(schema_name).strip()}\n\n{record}")
+        # Text for a person or a tool to run: the values go in as literals, quoted.
+        inserted = _inline(record, component=component, version=m.version, name=m.name)
+        parts.append(f"-- {component}/{m.path.name}\n{m.sql(schema).strip()}\n\n{inserted};")
     return "\n\n".join(parts) + "\n"
 
 
 async def check(
-    dsn_or_pool: Any,
-    *,
-    schema_name: str = sql.DEFAULT_SCHEMA,
-    directory: Path | None = None,
+    target: Any, *, schema: str = sql.DEFAULT_SCHEMA, directory: Path | None = None
 ) -> None:
     """Raise ConfigurationError unless every migration this dedup ships is applied.
 
     Migrations it does not know (applied by a newer dedup) are fine: a
     migration only adds (see docs/operations.md, "Upgrading").
     """
-    found = await status(dsn_or_pool, schema_name=schema_name, directory=directory)
+    found = await status(target, schema=schema, directory=directory)
     if not any(s.component == "dedup" and s.status != PENDING for s in found):
         raise errors.ConfigurationError(
-            f"no dedup tables in schema {schema_name!r}: check the schema setting, or run "
+            f"no dedup tables in schema {schema!r}: check the schema setting, or run "
             "`dedup migrate` first"
         )
     missing = [f"{s.version:04d}_{s.name}" for s in found if s.status == PENDING]
     if missing:
         raise errors.ConfigurationError(
-            f"schema {schema_name!r} lacks migration {', '.join(missing)}, which this "
+            f"schema {schema!r} lacks migration {', '.join(missing)}, which this "
             "version of dedup needs: run `dedup migrate` (or apply `dedup migrate --sql`) "
             "before deploying it; see docs/operations.md#upgrading"
         )
 
 
-async def _role(conn: asyncpg.Connection) -> str:
+async def _role(conn: asyncpg.Connection, queries: sql.Queries) -> str:
     """``role "name"``, or ``this role`` when the connection cannot say (a failed transaction)."""
     try:
-        return f'role "{await conn.fetchval("SELECT current_user")}"'
+        return f'role "{await queries.current_role.fetchval(conn)}"'
     except asyncpg.PostgresError:
         return "this role"
 
 
 async def _privilege_error(
-    conn: asyncpg.Connection, schema_name: str, exc: asyncpg.PostgresError
+    conn: asyncpg.Connection, queries: sql.Queries, exc: asyncpg.PostgresError
 ) -> errors.ConfigurationError:
     """What the role lacks, in words, after a migration was refused for want of a privilege."""
-    facts = await conn.fetchrow(_PRIVILEGES, schema_name)
+    schema = queries.schema
+    facts = await queries.migration_privileges.fetchrow(conn, schema=schema)
     role, database = facts["role"], facts["database"]
-    quoted = sql.quote(schema_name)
+    quoted = sql.quote(schema)
     if not facts["schema_exists"]:
         needs = (
             f'creating the schema needs CREATE on database "{database}" '
@@ -352,5 +305,5 @@ async def _privilege_error(
         needs = f"migrating needs the owner of schema {quoted}'s tables and of its migrations table"
     return errors.ConfigurationError(
         f'role "{role}" may not migrate schema {quoted} in database "{database}": {exc}; '
-        f"{needs}; or give a DBA the SQL: dedup migrate --sql --schema {schema_name}"
+        f"{needs}; or give a DBA the SQL: dedup migrate --sql --schema {schema}"
     )

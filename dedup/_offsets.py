@@ -20,12 +20,9 @@ to the new ones at once, so Kafka's tools agree.
 from __future__ import annotations
 
 import datetime
-import getpass
 import logging
-import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import aiokafka
@@ -34,9 +31,11 @@ import aiokafka.errors
 import asyncpg
 from aiokafka.structs import TopicPartition
 
+from dedup import _audit as audit
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
+from dedup import _offsets_kafka as offsets_kafka
 from dedup import _report as report
 from dedup import _sql as sql
 from dedup import _timespec as timespec
@@ -51,31 +50,11 @@ EVENT_KINDS = {"rewind": "offsets_rewound", "skip": "offsets_skipped"}
 LOCK_TIMEOUT = "15s"
 """How long a move waits for a batch in flight on the partition to commit."""
 
-KAFKA_TIMEOUT_MS = 10_000
-
-SHOW_COLUMNS = (
-    report.Column("group_id", "group"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("holder"),
-    report.Column("token"),
-    report.Column("next_offset"),
-)
-KAFKA_COLUMNS = (
-    report.Column("end_offset", "end"),
-    report.Column("lag"),
-    report.Column("kafka_committed"),
-)
-MOVE_COLUMNS = (
-    report.Column("group_id", "group"),
-    report.Column("topic"),
-    report.Column("partition", "part"),
-    report.Column("status"),
-    report.Column("old_offset"),
-    report.Column("new_offset"),
-    report.Column("old_token"),
-    report.Column("new_token"),
-    report.Column("kafka_committed"),
+SHOW_COLUMNS = report.columns("group_id:group, topic, partition:part, holder, token, next_offset")
+KAFKA_COLUMNS = report.columns("end_offset:end, lag, kafka_committed")
+MOVE_COLUMNS = report.columns(
+    "group_id:group, topic, partition:part, status, old_offset, new_offset, "
+    "old_token, new_token, kafka_committed"
 )
 
 log = logging.getLogger("dedup.offsets")
@@ -91,128 +70,8 @@ def is_operator(holder: str) -> bool:
     return holder.startswith(OPERATOR_PREFIX)
 
 
-def default_who() -> str:
-    """``user@host`` of whoever runs the command."""
-    return f"{getpass.getuser()}@{socket.gethostname()}"
-
-
 class GroupActiveError(errors.DedupError):
     """The consumer group has members in Kafka and the operator did not confirm (``--yes``)."""
-
-
-# --------------------------------------------------------------------- Kafka --
-
-
-class Kafka:
-    """What ``dedup offsets`` asks Kafka: partitions, log ranges, group members and offsets."""
-
-    def __init__(self, bootstrap_servers: str) -> None:
-        self.bootstrap_servers = bootstrap_servers
-        self._admin = aiokafka.admin.AIOKafkaAdminClient(
-            bootstrap_servers=bootstrap_servers, request_timeout_ms=KAFKA_TIMEOUT_MS
-        )
-        # No group: it only reads offsets.  read_uncommitted (the default), so
-        # end offsets are the log end that Kafka's own lag tools count from.
-        self._reader = aiokafka.AIOKafkaConsumer(
-            bootstrap_servers=bootstrap_servers,
-            enable_auto_commit=False,
-            request_timeout_ms=KAFKA_TIMEOUT_MS,
-        )
-
-    async def __aenter__(self) -> Kafka:
-        try:
-            await self._admin.start()
-            await self._reader.start()
-        except aiokafka.errors.KafkaError as exc:
-            await self.__aexit__(None, None, None)
-            raise self.unavailable(exc) from exc
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._reader.stop()
-        await self._admin.close()
-
-    def unavailable(self, exc: BaseException) -> errors.ServiceUnavailableError:
-        """The error for a Kafka request that failed."""
-        return errors.ServiceUnavailableError(
-            f"Kafka at {self.bootstrap_servers} did not answer: {exc!r}; "
-            "check --bootstrap-servers and run the command again"
-        )
-
-    async def partitions(self, topic: str) -> list[int]:
-        """The topic's partition numbers; a ConfigurationError if Kafka has no such topic."""
-        # Listing first: asking for one topic's metadata may create it on a broker
-        # that auto-creates topics.
-        if topic not in await self.topics():
-            raise errors.ConfigurationError(
-                f"--topic {topic}: no such topic on Kafka at {self.bootstrap_servers}"
-            )
-        [described] = await self._admin.describe_topics([topic])
-        return sorted(p["partition"] for p in described["partitions"])
-
-    async def topics(self) -> set[str]:
-        """Every topic Kafka knows."""
-        return set(await self._admin.list_topics())
-
-    async def members(self, group: str) -> int:
-        """How many consumers are in ``group`` now (0: empty, or no such group)."""
-        described = await self._admin.describe_consumer_groups([group])
-        groups = [g for response in described for g in response.groups]
-        for error_code, *_ in groups:
-            if error_code:  # a coordinator still loading must not pass for an empty group
-                raise aiokafka.errors.for_code(error_code)(f"describing group {group}")
-        return sum(len(members) for _, _, _, _, _, members, *_ in groups)
-
-    async def committed(self, group: str) -> dict[TopicPartition, int]:
-        """Kafka's committed offsets of ``group`` (partitions without one are left out)."""
-        found = await self._admin.list_consumer_group_offsets(group)
-        return {tp: meta.offset for tp, meta in found.items() if meta.offset >= 0}
-
-    async def log_range(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, range]:
-        """Each partition's offsets from its log start to its end (the end included)."""
-        starts = await self._reader.beginning_offsets(list(tps))
-        ends = await self._reader.end_offsets(list(tps))
-        return {tp: range(starts[tp], ends[tp] + 1) for tp in tps}
-
-    async def ends(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
-        """Each partition's end offset (where the next record will be written)."""
-        found: dict[TopicPartition, int] = await self._reader.end_offsets(list(tps))
-        return found
-
-    async def at_time(
-        self, tps: Sequence[TopicPartition], when: datetime.datetime
-    ) -> dict[TopicPartition, int]:
-        """The offset of each partition's first record at or after ``when``, else its end."""
-        ms = int(when.timestamp() * 1000)
-        found = await self._reader.offsets_for_times(dict.fromkeys(tps, ms))
-        ends = await self.ends(tps)
-        return {tp: ends[tp] if found.get(tp) is None else found[tp].offset for tp in tps}
-
-    async def commit(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
-        """Set ``group``'s committed offsets; Kafka accepts it only while the group is empty."""
-        committer = aiokafka.AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap_servers,
-            group_id=group,
-            enable_auto_commit=False,
-            request_timeout_ms=KAFKA_TIMEOUT_MS,
-        )
-        await committer.start()
-        try:
-            committer.assign(list(offsets))
-            await committer.commit(dict(offsets))
-        finally:
-            await committer.stop()
-
-
-def quiet_aiokafka() -> None:
-    """aiokafka logs each retried request (a group coordinator still loading, ...) as an
-    error; a command reports what finally failed, so keep its output to that."""
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
 
 # ---------------------------------------------------------------------- show --
@@ -226,17 +85,17 @@ class ShowQuery:
     """The consumer group."""
     topic: str | None = None
     """The topic."""
-    limit: int = 1000
+    limit: int = report.DEFAULT_LIMIT
     """Most rows."""
 
 
 async def show(
-    conn: asyncpg.Connection, schema_name: str, q: ShowQuery, kafka: Kafka | None
+    conn: asyncpg.Connection, schema: str, q: ShowQuery, kafka: offsets_kafka.Kafka | None
 ) -> report.Report:
     """The stored offsets of ``q``'s partitions, with Kafka's end offsets and lag when asked."""
-    queries = sql.Queries(schema_name)
-    records = await conn.fetch(queries.offsets_list, q.group, q.topic, q.limit + 1)
-    rows = [report.json_row(r) for r in records[: q.limit]]
+    rows, cut = await audit.limited(
+        conn, sql.Queries(schema).offsets_list, q.limit, group_id=q.group, topic=q.topic
+    )
     columns: tuple[report.Column, ...] = SHOW_COLUMNS
     for row in rows:
         row.update(end_offset=None, lag=None, kafka_committed=None)
@@ -251,12 +110,12 @@ async def show(
             "limit": q.limit,
         },
         sections=[report.Section("partitions", "partitions", columns, rows)],
-        truncated=len(records) > q.limit,
+        truncated=cut,
         nothing="no stored offsets match" + _described(q.group, q.topic),
     )
 
 
-async def _add_kafka(rows: list[dict[str, Any]], kafka: Kafka) -> None:
+async def _add_kafka(rows: list[dict[str, Any]], kafka: offsets_kafka.Kafka) -> None:
     """Fill in end_offset, lag and kafka_committed (topics Kafka no longer has stay null)."""
     try:
         present = await kafka.topics()
@@ -354,7 +213,7 @@ class _Target:
 
 
 async def move(
-    conn: asyncpg.Connection, schema_name: str, m: Move, kafka: Kafka
+    conn: asyncpg.Connection, schema: str, m: Move, kafka: offsets_kafka.Kafka
 ) -> tuple[report.Report, str | None]:
     """Move ``m``'s partitions; return the report and a note for the operator, if any.
 
@@ -363,8 +222,8 @@ async def move(
     partition's log or a move in the wrong direction (nothing is moved then).
     """
     m.check()
-    queries = sql.Queries(schema_name)
-    when = timespec.resolve(m.to_time, await conn.fetchval(queries.database_now))
+    queries = sql.Queries(schema)
+    when = timespec.resolve(m.to_time, await queries.database_now.fetchval(conn))
     try:
         members = await kafka.members(m.group)
         if members and not m.yes:
@@ -377,23 +236,23 @@ async def move(
     except aiokafka.errors.KafkaError as exc:
         raise kafka.unavailable(exc) from exc
 
-    holder = operator_holder(m.action, m.who or default_who())
+    holder = operator_holder(m.action, m.who or audit.operator())
     async with db.transaction(conn, {"lock_timeout": LOCK_TIMEOUT}):
         await _lock(conn, queries, m, targets)
         moving = [t for t in targets if t.status != "unchanged"]
         if moving:
-            rows = await conn.fetch(
-                queries.offsets_move,
-                m.group,
-                m.topic,
-                holder,
-                [t.tp.partition for t in moving],
-                [t.offset for t in moving],
+            rows = await queries.offsets_move.fetch(
+                conn,
+                group_id=m.group,
+                topic=m.topic,
+                holder=holder,
+                partitions=[t.tp.partition for t in moving],
+                next_offsets=[t.offset for t in moving],
             )
             tokens = {r["partition"]: r["token"] for r in rows}
             for t in moving:
                 t.new_token = tokens[t.tp.partition]
-            await events.record(conn, schema_name, [_event(m, t, holder, when) for t in moving])
+            await events.record(conn, schema, [_event(m, t, holder, when) for t in moving])
 
     note = None
     committed = False
@@ -419,7 +278,9 @@ async def move(
     return found, note
 
 
-async def _targets(m: Move, when: datetime.datetime | None, kafka: Kafka) -> list[_Target]:
+async def _targets(
+    m: Move, when: datetime.datetime | None, kafka: offsets_kafka.Kafka
+) -> list[_Target]:
     """The partitions to move and their new offsets, each inside the partition's log."""
     known = await kafka.partitions(m.topic)
     wanted = list(m.partitions) or known
@@ -453,8 +314,8 @@ async def _lock(
 ) -> None:
     """Lock the partitions' rows, read where they stand and check the direction of the move."""
     try:
-        rows = await conn.fetch(
-            queries.offsets_lock, m.group, m.topic, [t.tp.partition for t in targets]
+        rows = await queries.offsets_lock.fetch(
+            conn, group_id=m.group, topic=m.topic, partitions=[t.tp.partition for t in targets]
         )
     except asyncpg.LockNotAvailableError as exc:
         raise errors.ServiceUnavailableError(

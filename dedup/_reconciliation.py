@@ -10,7 +10,7 @@ A :class:`Check` names a task code and two SQL queries.  Each takes the
 business date as ``$1`` and returns one row: a row count, and a total (a sum of
 amounts, or NULL when the figures have none).  ``{schema}`` in a query is
 dedup's schema.  :func:`reconcile` runs both in one snapshot, so rows committed
-in between cannot make a false mismatch, and returns a :class:`Report`.  Every
+in between cannot make a false mismatch, and returns a :class:`ReconcileReport`.  Every
 run writes a ``reconcile`` event (``reconcile_ok`` or ``reconcile_mismatch``,
 with both figures); a mismatch also counts ``dedup.reconcile.mismatches``.
 
@@ -38,12 +38,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import asyncpg
-import orjson
 
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _leases as leases
+from dedup import _report as report
 from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
@@ -95,8 +95,16 @@ class Figures:
     """The total (NULL when the check counts rows only)."""
 
 
+FIGURE_COLUMNS = (
+    report.Column("side"),
+    report.Column("label", "counts"),
+    report.Column("rows", right=True),
+)
+TOTAL_COLUMN = report.Column("total", right=True)
+
+
 @dataclass(frozen=True)
-class Report:
+class ReconcileReport:
     """What :func:`reconcile` found for one task code and business date."""
 
     task: str
@@ -143,29 +151,39 @@ class Report:
             },
         }
 
-    def render(self, format: str = "table") -> str:
-        """The report as text lines (``table``) or one JSON document (``json``)."""
-        if format == "json":
-            return orjson.dumps(self.as_json(), option=orjson.OPT_INDENT_2).decode()
-        verdict = "OK" if self.ok else "MISMATCH"
-        labels = [
-            f"source ({self.source_label}):",
-            f"result ({self.result_label}):",
-            "difference (result - source):",
+    def as_report(self) -> report.Report:
+        """What ``dedup reconcile`` prints: a verdict line and the figures, or the JSON."""
+        total = self.total_difference
+        figures = [
+            {"side": "source", "label": self.source_label, **_json_figures(self.source)},
+            {"side": "result", "label": self.result_label, **_json_figures(self.result)},
+            {
+                "side": "difference",
+                "label": "result - source",
+                "rows": f"{self.rows_difference:+}",
+                "total": None if total is None else f"{total:+}",
+            },
         ]
-        rows = [str(self.source.rows), str(self.result.rows), f"{self.rows_difference:+}"]
-        totals = [_text(self.source.total), _text(self.result.total), _text(self.total_difference)]
-        if self.total_difference is not None:
-            totals[2] = f"{self.total_difference:+}"
         has_total = self.source.total is not None or self.result.total is not None
-        widths = [max(map(len, column)) for column in (labels, rows, totals)]
-        lines = [f"reconcile {self.task} {self.business_date.isoformat()}: {verdict}"]
-        for label, count, total in zip(labels, rows, totals, strict=True):
-            line = f"  {label:<{widths[0]}}  {count:>{widths[1]}} rows"
-            if has_total:
-                line += f", total {total:>{widths[2]}}"
-            lines.append(line)
-        return "\n".join(lines)
+        verdict = "OK" if self.ok else "MISMATCH"
+        return report.Report(
+            query=None,
+            heading=f"reconcile {self.task} {self.business_date.isoformat()}: {verdict}",
+            sections=[
+                report.Section(
+                    "figures",
+                    "",
+                    (*FIGURE_COLUMNS, TOTAL_COLUMN) if has_total else FIGURE_COLUMNS,
+                    table_rows=figures,
+                    in_json=False,
+                )
+            ],
+            fields=self.as_json(),
+        )
+
+    def render(self, format: str = "table") -> str:
+        """The report as a table (``table``) or one JSON document (``json``)."""
+        return self.as_report().render(format)
 
 
 class Registry:
@@ -250,9 +268,9 @@ async def reconcile(
     business_date: dt.date | str,
     *,
     registry: Registry | None = None,
-    schema_name: str = sql.DEFAULT_SCHEMA,
+    schema: str = sql.DEFAULT_SCHEMA,
     holder: str | None = None,
-) -> Report:
+) -> ReconcileReport:
     """Compare source and result of ``task`` for ``business_date``; record and return the report.
 
     ``target`` is a DSN, an asyncpg pool or a connection (any codecs: dedup
@@ -275,9 +293,9 @@ async def reconcile(
         f"reconcile {check.task}", attributes=attributes
     ) as span:
         async with db.connection(target) as conn, conn.transaction(isolation="repeatable_read"):
-            source = await _figures(conn, check, "source", day, schema_name)
-            result = await _figures(conn, check, "result", day, schema_name)
-            report = Report(
+            source = await _figures(conn, check, "source", day, schema)
+            result = await _figures(conn, check, "result", day, schema)
+            found = ReconcileReport(
                 task=check.task,
                 business_date=day,
                 source=source,
@@ -285,11 +303,11 @@ async def reconcile(
                 source_label=check.source_label,
                 result_label=check.result_label,
             )
-            await events.record(conn, schema_name, [_event(report, holder)])
-        span.set_attribute("dedup.reconcile.ok", report.ok)
-        if not report.ok:
+            await events.record(conn, schema, [_event(found, holder)])
+        span.set_attribute("dedup.reconcile.ok", found.ok)
+        if not found.ok:
             telemetry.reconcile_mismatches.add(1, {"dedup.task": check.task})
-    return report
+    return found
 
 
 def parse_date(text: str) -> dt.date:
@@ -312,9 +330,9 @@ def _date(value: dt.date | str) -> dt.date:
 
 
 async def _figures(
-    conn: asyncpg.Connection, check: Check, side: str, day: dt.date, schema_name: str
+    conn: asyncpg.Connection, check: Check, side: str, day: dt.date, schema: str
 ) -> Figures:
-    text = sql.render(getattr(check, side), schema_name)
+    text = sql.render(getattr(check, side), schema)
     try:
         row = await conn.fetchrow(text, day)
     except asyncpg.PostgresError as exc:
@@ -337,22 +355,22 @@ async def _figures(
     return Figures(rows=row[0], total=None if total is None else _plain(total))
 
 
-def _event(report: Report, holder: str | None) -> events.Event:
-    state = "ok" if report.ok else "mismatch"
+def _event(found: ReconcileReport, holder: str | None) -> events.Event:
+    state = "ok" if found.ok else "mismatch"
     return events.Event(
         subject="reconcile",
         kind=f"reconcile_{state}",
-        namespace=report.task,
-        key=report.business_date.isoformat(),
+        namespace=found.task,
+        key=found.business_date.isoformat(),
         holder=holder or leases.default_holder(),
         to_state=state,
         detail={
-            "source_rows": report.source.rows,
-            "source_total": _json_number(report.source.total),
-            "result_rows": report.result.rows,
-            "result_total": _json_number(report.result.total),
-            "rows_difference": report.rows_difference,
-            "total_difference": _json_number(report.total_difference),
+            "source_rows": found.source.rows,
+            "source_total": _json_number(found.source.total),
+            "result_rows": found.result.rows,
+            "result_total": _json_number(found.result.total),
+            "rows_difference": found.rows_difference,
+            "total_difference": _json_number(found.total_difference),
         },
     )
 
@@ -406,7 +424,3 @@ def _json_number(value: Number | None) -> int | str | None:
 
 def _json_figures(figures: Figures) -> dict[str, Any]:
     return {"rows": figures.rows, "total": _json_number(figures.total)}
-
-
-def _text(value: Number | None) -> str:
-    return "-" if value is None else str(value)

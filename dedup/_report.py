@@ -1,8 +1,8 @@
 """How the operator commands print what they found: an aligned table, or one JSON document.
 
-A :class:`Report` is a query (what was asked), one or more named sections of
-rows, and whether the row limit cut the answer short.  Both formats are made
-from the same report, so they always agree.
+A :class:`Report` is a query (what was asked), named sections of rows, a
+command's figures, and whether the row limit cut the answer short.  Every
+command prints one, and both formats are made from it, so they always agree.
 
 JSON encoding, the same for every command (documented in docs/reference/cli.md):
 times are ISO 8601 in UTC with microseconds (``2026-11-30T10:00:00.123456+00:00``), hashes are
@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+DEFAULT_LIMIT = 1000
+"""Most rows per list, unless a command's ``--limit`` says otherwise."""
 
 # Cells wider than this are cut in tables (JSON always has the whole value).
 MAX_CELL = 60
@@ -68,11 +71,22 @@ class Column:
     """The row's JSON field name."""
     heading: str = ""
     """The table heading (default: the field name)."""
+    right: bool = False
+    """Align the cells right (figures)."""
 
     @property
     def title(self) -> str:
         """The heading shown in tables."""
         return self.heading or self.field
+
+
+def columns(spec: str) -> tuple[Column, ...]:
+    """Columns from ``"field, field:heading, ..."`` (``idempotency_key:key``)."""
+    found = []
+    for part in spec.split(","):
+        name, _, heading = part.strip().partition(":")
+        found.append(Column(name, heading))
+    return tuple(found)
 
 
 @dataclass
@@ -82,23 +96,39 @@ class Section:
     name: str
     """Its JSON field name."""
     title: str
-    """What a table calls it (``processed keys``)."""
+    """What a table calls it (``processed keys``); empty: the table alone."""
     columns: Sequence[Column]
     """What a table shows, in order (JSON rows carry every field)."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     """The rows, already JSON-ready (see the module docstring)."""
     table_rows: list[dict[str, Any]] | None = None
     """What a table shows instead of ``rows``, when that is easier to read."""
+    in_json: bool = True
+    """False for a table's view of figures the JSON document gives as ``fields``."""
+
+    @property
+    def shown(self) -> list[dict[str, Any]]:
+        """The rows a table shows."""
+        return self.table_rows if self.table_rows is not None else self.rows
 
 
 @dataclass
 class Report:
-    """The answer of one command."""
+    """The answer of one command, as a table for people and one JSON document.
 
-    query: Mapping[str, Any]
-    """What was asked, under the option names without dashes."""
-    sections: list[Section]
+    JSON: ``query``, each section's rows under its name, ``fields``, then
+    ``found`` and ``truncated`` when the report has lists.  Table: the
+    ``heading`` line, then each section with rows.
+    """
+
+    query: Mapping[str, Any] | None
+    """What was asked, under the option names without dashes (None: no ``query`` field)."""
+    sections: list[Section] = field(default_factory=list)
     """What was found."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """More of the JSON document: a command's figures (``purge``, ``reconcile``)."""
+    heading: str = ""
+    """A table's first line."""
     truncated: bool = False
     """True when the row limit cut the answer short."""
     nothing: str = "nothing found"
@@ -111,32 +141,43 @@ class Report:
         """Rows in all sections."""
         return sum(len(s.rows) for s in self.sections)
 
+    def section(self, name: str) -> Section:
+        """The section called ``name``."""
+        for section in self.sections:
+            if section.name == name:
+                return section
+        raise KeyError(name)
+
     def to_json(self) -> str:
         """The report as one JSON document."""
-        doc: dict[str, Any] = {"query": dict(self.query)}
-        for section in self.sections:
+        doc: dict[str, Any] = {} if self.query is None else {"query": dict(self.query)}
+        lists = [s for s in self.sections if s.in_json]
+        for section in lists:
             doc[section.name] = section.rows
-        doc["found"] = self.found
-        doc["truncated"] = self.truncated
+        doc.update(self.fields)
+        if lists:
+            doc["found"] = self.found
+            doc["truncated"] = self.truncated
         return orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
 
     def to_table(self) -> str:
         """The report as aligned tables, one per non-empty section."""
-        if not self.found:
-            return self.nothing
         parts = []
         for section in self.sections:
-            if not section.rows:
+            rows = section.shown
+            if not rows:
                 continue
-            rows = section.table_rows if section.table_rows is not None else section.rows
             if self.vertical:
                 body = "\n\n".join(vertical(row) for row in rows)
             else:
                 body = table(section.columns, rows)
-            parts.append(f"{section.title} ({len(rows)}):\n{body}")
-        if self.truncated:
+            parts.append(f"{section.title} ({len(rows)}):\n{body}" if section.title else body)
+        if not parts:
+            parts.append(self.nothing)
+        elif self.truncated:
             parts.append("(more rows match: raise --limit or narrow the query)")
-        return "\n\n".join(parts)
+        text = "\n\n".join(parts)
+        return f"{self.heading}\n{text}" if self.heading else text
 
     def render(self, fmt: str) -> str:
         """The report in ``fmt`` (``table`` or ``json``)."""
@@ -167,7 +208,10 @@ def table(columns: Sequence[Column], rows: Sequence[Mapping[str, Any]]) -> str:
     cells += [[cell(row.get(c.field)) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
-        "  ".join(text.ljust(w) for text, w in zip(line, widths, strict=True)).rstrip()
+        "  ".join(
+            text.rjust(w) if c.right else text.ljust(w)
+            for text, w, c in zip(line, widths, columns, strict=True)
+        ).rstrip()
         for line in cells
     )
 

@@ -147,30 +147,11 @@ class PurgeResult:
     query: dict[str, Any] = field(default_factory=dict)
     """The settings, as the report shows them."""
 
-    def as_json(self) -> dict[str, Any]:
-        """The documented JSON document of ``dedup purge --format json``."""
-        return {
-            "query": self.query,
-            "cutoff": report.utc(self.cutoff),
-            "events_cutoff": report.utc(self.events_cutoff),
-            "dry_run": self.dry_run,
-            "purged": {
-                "processed": self.processed,
-                "dead_letters": self.dead_letters,
-                "events": self.events,
-            },
-            "batches": self.batches,
-            "batches_skipped": self.batches_skipped,
-            "brin_ranges_resummarized": self.ranges_resummarized,
-            "brin_ranges_not_resummarized": self.ranges_not_resummarized,
-            "seconds": round(self.seconds, 3),
-        }
-
-    def as_table(self) -> str:
-        """The report of ``dedup purge`` for people."""
+    def as_report(self) -> report.Report:
+        """What ``dedup purge`` prints: ``field  value`` lines, or the documented JSON."""
         verb = "to purge" if self.dry_run else "purged"
         events = "kept" if self.events is None else str(self.events)
-        rows: dict[str, Any] = {
+        lines: dict[str, Any] = {
             "cutoff": report.utc(self.cutoff),
             f"keys {verb}": self.processed,
             f"dead letters {verb}": self.dead_letters,
@@ -178,40 +159,59 @@ class PurgeResult:
             f"events {verb}": events,
         }
         if not self.dry_run:
-            rows["batches"] = f"{self.batches} ({self.batches_skipped} skipped: locked, rerun)"
-            rows["brin ranges"] = (
+            lines["batches"] = f"{self.batches} ({self.batches_skipped} skipped: locked, rerun)"
+            lines["brin ranges"] = (
                 f"{self.ranges_resummarized} summarized afresh, "
                 f"{self.ranges_not_resummarized} left as they were"
             )
-        rows["seconds"] = round(self.seconds, 3)
-        return report.vertical(rows)
+        lines["seconds"] = round(self.seconds, 3)
+        return report.Report(
+            query=self.query,
+            sections=[report.Section("summary", "", (), table_rows=[lines], in_json=False)],
+            fields={
+                "cutoff": report.utc(self.cutoff),
+                "events_cutoff": report.utc(self.events_cutoff),
+                "dry_run": self.dry_run,
+                "purged": {
+                    "processed": self.processed,
+                    "dead_letters": self.dead_letters,
+                    "events": self.events,
+                },
+                "batches": self.batches,
+                "batches_skipped": self.batches_skipped,
+                "brin_ranges_resummarized": self.ranges_resummarized,
+                "brin_ranges_not_resummarized": self.ranges_not_resummarized,
+                "seconds": round(self.seconds, 3),
+            },
+            vertical=True,
+        )
 
 
 class _Purge:
     def __init__(
         self,
         conn: asyncpg.Connection,
-        schema_name: str,
+        queries: sql.Queries,
         result: PurgeResult,
         batch_size: int,
         pause: float,
     ) -> None:
         self.conn = conn
-        self.queries = sql.Queries(schema_name)
+        self.queries = queries
         self.result = result
         self.batch_size = batch_size
         self.pause = pause
         self.pages_per_range = 128
 
     async def processed(self) -> None:
-        layout = await self.conn.fetchrow(self.queries.purge_layout)
+        layout = await self.queries.purge_layout.fetchrow(self.conn)
         if layout is None:
             raise errors.ConfigurationError(
                 "no processed table or BRIN index in this schema: run `dedup migrate` first"
             )
         ppr = self.pages_per_range = layout["pages_per_range"]
-        candidates = await self.conn.fetch(
-            self.queries.purge_candidate_ranges, self.result.cutoff, ppr
+        candidates = await self.queries.purge_candidate_ranges.fetch(
+            self.conn, cutoff=self.result.cutoff, pages_per_range=ppr
         )
         batches = plan_batches(
             ((r["brin_range"], r["n"]) for r in candidates), ppr, self.batch_size
@@ -232,11 +232,8 @@ class _Purge:
         for attempt, backoff in enumerate(BATCH_BACKOFF, start=1):
             try:
                 async with db.transaction(self.conn, BATCH_SETTINGS):
-                    status = await self.conn.execute(
-                        self.queries.purge_processed_batch,
-                        (batch.lo, 0),
-                        (batch.hi, 0),
-                        self.result.cutoff,
+                    status = await self.queries.purge_processed_batch.execute(
+                        self.conn, lo=(batch.lo, 0), hi=(batch.hi, 0), cutoff=self.result.cutoff
                     )
             except asyncpg.LockNotAvailableError:
                 log.info("purge: blocks %d-%d busy (try %d)", batch.lo, batch.hi, attempt)
@@ -272,8 +269,8 @@ class _Purge:
                     async with db.transaction(
                         self.conn, {"lock_timeout": RESUMMARIZE_LOCK_TIMEOUT}
                     ):
-                        await self.conn.execute(
-                            self.queries.purge_resummarize, brin_range * self.pages_per_range
+                        await self.queries.purge_resummarize.execute(
+                            self.conn, block=brin_range * self.pages_per_range
                         )
                 except asyncpg.LockNotAvailableError:
                     locked.append(brin_range)
@@ -283,9 +280,9 @@ class _Purge:
         self.result.ranges_not_resummarized += len(ranges)
 
     async def _wait_for_older_snapshots(self) -> None:
-        marker = await self.conn.fetchval(self.queries.purge_marker_xid)
+        marker = await self.queries.purge_marker_xid.fetchval(self.conn)
         deadline = time.monotonic() + SNAPSHOT_WAIT
-        while await self.conn.fetchval(self.queries.purge_older_snapshots, marker):
+        while await self.queries.purge_older_snapshots.fetchval(self.conn, marker=marker):
             if time.monotonic() > deadline:
                 log.info("purge: a transaction older than the purge is still open; going on")
                 return
@@ -294,8 +291,8 @@ class _Purge:
     async def dead_letters(self) -> None:
         while True:
             async with db.transaction(self.conn, BATCH_SETTINGS):
-                n = await self.conn.fetchval(
-                    self.queries.purge_dead_letters_batch, self.result.cutoff, self.batch_size
+                n = await self.queries.purge_dead_letters_batch.fetchval(
+                    self.conn, cutoff=self.result.cutoff, limit=self.batch_size
                 )
             self.result.dead_letters += n
             if n < self.batch_size:
@@ -304,12 +301,12 @@ class _Purge:
 
     async def events(self, cutoff: datetime.datetime) -> None:
         self.result.events = 0
-        bound = await self.conn.fetchval(self.queries.purge_events_bound, cutoff)
+        bound = await self.queries.purge_events_bound.fetchval(self.conn, cutoff=cutoff)
         last = 0
         while bound is not None:
             async with db.transaction(self.conn, BATCH_SETTINGS):
-                row = await self.conn.fetchrow(
-                    self.queries.purge_events_batch, last, bound, cutoff, self.batch_size
+                row = await self.queries.purge_events_batch.fetchrow(
+                    self.conn, after=last, bound=bound, cutoff=cutoff, limit=self.batch_size
                 )
             if not row["n"]:
                 return
@@ -321,7 +318,7 @@ class _Purge:
 async def _check_privileges(
     conn: asyncpg.Connection, queries: sql.Queries, *, events: bool
 ) -> None:
-    may = await conn.fetchrow(queries.purge_privileges)
+    may = await queries.purge_privileges.fetchrow(conn)
     if may["processed"] is None:  # to_regclass found no table
         raise errors.ConfigurationError(
             f"no dedup tables in schema {queries.schema!r}: check --schema, or run `dedup migrate`"
@@ -340,7 +337,7 @@ async def _check_privileges(
 
 async def purge(
     conn: asyncpg.Connection,
-    schema_name: str,
+    schema: str,
     *,
     older_than: datetime.timedelta | None = None,
     before: datetime.datetime | None = None,
@@ -361,8 +358,8 @@ async def purge(
         raise errors.ConfigurationError(f"--batch-size {batch_size}: must be at least 1")
     if pause < 0:
         raise errors.ConfigurationError(f"--pause {pause}: must not be negative")
-    queries = sql.Queries(schema_name)
-    now = await conn.fetchval(queries.database_now)
+    queries = sql.Queries(schema)
+    now = await queries.database_now.fetchval(conn)
     cutoff = before if before is not None else now - older_than
     events_cutoff = now - events_older_than if events_older_than is not None else None
     result = PurgeResult(cutoff=cutoff, events_cutoff=events_cutoff, dry_run=dry_run)
@@ -377,11 +374,13 @@ async def purge(
     await _check_privileges(conn, queries, events=events_cutoff is not None)
     started = time.monotonic()
     if dry_run:
-        counts = await conn.fetchrow(queries.purge_counts, cutoff, events_cutoff)
+        counts = await queries.purge_counts.fetchrow(
+            conn, cutoff=cutoff, events_cutoff=events_cutoff
+        )
         result.processed, result.dead_letters = counts["processed"], counts["dead_letters"]
         result.events = counts["events"] if events_cutoff is not None else None
     else:
-        work = _Purge(conn, schema_name, result, batch_size, pause)
+        work = _Purge(conn, queries, result, batch_size, pause)
         await work.processed()
         await work.dead_letters()
         if events_cutoff is not None:

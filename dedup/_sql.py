@@ -136,14 +136,11 @@ class Queries:
             rendered, params = positional(render(text, schema))
             self._queries[name] = Query(name, rendered, params)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Query:
         try:
-            query = self._queries[name]
+            return self._queries[name]
         except KeyError:
             raise AttributeError(f"no query named {name!r} under dedup/sql/queries") from None
-        # TRANSITIONAL (issue 15): a query still written with $n is handed out as
-        # its text, for the call sites not yet moved to keyword arguments.
-        return query.sql if "$1" in query.sql and not query.params else query
 
 
 def identifier(name: str, what: str) -> str:

@@ -126,7 +126,7 @@ class TaskRunner:
     async def _check_schema(self, pool: Any) -> None:
         """Refuse a schema that lacks a migration this dedup needs (once per runner)."""
         if not self._schema_checked:
-            await migrations.check(pool, schema_name=self.schema)
+            await migrations.check(pool, schema=self.schema)
             self._schema_checked = True
 
     async def run(

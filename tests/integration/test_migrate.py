@@ -24,7 +24,7 @@ async def test_migrate_is_rerunnable(dsn: str) -> None:
 
 
 async def test_concurrent_migrations_of_a_new_schema_apply_once(pool: Any) -> None:
-    results = await asyncio.gather(*(dedup.migrate(pool, schema_name="fresh") for _ in range(4)))
+    results = await asyncio.gather(*(dedup.migrate(pool, schema="fresh") for _ in range(4)))
     applied = [r for r in results if r]
     assert len(applied) == 1
     assert applied[0][0] == "dedup/0001_core.sql"

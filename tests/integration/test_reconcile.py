@@ -52,9 +52,10 @@ async def test_the_cli_passes_a_clean_run_and_names_a_planted_mismatch(dsn: str,
     assert code == 1
     assert out.splitlines() == [
         "reconcile statements 2026-11-30: MISMATCH",
-        "  source (accounts with payments, month to date):   2 rows, total 560",
-        "  result (statements written):                      1 rows, total 500",
-        "  difference (result - source):                    -1 rows, total -60",
+        "SIDE        COUNTS                                 ROWS  TOTAL",
+        "source      accounts with payments, month to date     2    560",
+        "result      statements written                        1    500",
+        "difference  result - source                          -1    -60",
     ]
     code, out, _ = await service_support.run(*command, "--format", "json", env=env)
     assert code == 1
@@ -152,9 +153,10 @@ async def test_a_check_declared_in_a_module_as_a_mapping(
     assert await dedup_cli(*args, "--task", "orders") == 1
     assert capsys.readouterr().out.splitlines() == [
         "reconcile orders 2026-11-30: MISMATCH",
-        "  source (source):                2 rows, total 3.5",
-        "  result (result):                1 rows, total 1.5",
-        "  difference (result - source):  -1 rows, total  -2",
+        "SIDE        COUNTS           ROWS  TOTAL",
+        "source      source              2    3.5",
+        "result      result              1    1.5",
+        "difference  result - source    -1     -2",
     ]
     assert await dedup_cli(*args, "--task", "orders", "--date", "2026-11-29") == 1
     assert await dedup_cli(*args, "--task", "orders", "--date", "2026-11-28") == 0

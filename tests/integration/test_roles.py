@@ -70,7 +70,7 @@ async def test_tables_of_later_migrations_are_covered_and_the_grants_rerun(pool:
     # The roles migration is safe to apply again (another database, another schema).
     roles = (sql.migrations_dir() / "0003_roles.sql").read_text()
     await pool.execute(sql.render(roles, "dedup"))
-    await dedup.migrate(pool, schema_name="tenant_b")
+    await dedup.migrate(pool, schema="tenant_b")
     assert (await _privileges(pool, "dedup_runtime"))["events"] == {"SELECT", "INSERT"}
     grants = await pool.fetchval(
         "SELECT has_table_privilege('dedup_audit', 'tenant_b.processed', 'SELECT')"

@@ -201,7 +201,7 @@ async def test_the_library_never_shows_the_password(
         shown,
     )
     await raises(consumer(dsn, topic, bootstrap_servers, schema="nothere").run, shown)
-    refused = await raises(lambda: dedup.migrate(dsn, schema_name="fresh"), shown)
+    refused = await raises(lambda: dedup.migrate(dsn, schema="fresh"), shown)
     assert f'role "{login.role}" may not migrate schema "fresh"' in refused
 
     shown.add(spans_text(spans))

@@ -16,19 +16,6 @@ _SQL_STATEMENT = re.compile(
     r"|SHOW|LOCK|TRUNCATE|COPY|BEGIN|COMMIT|ROLLBACK|ANALYZE|VACUUM|NOTIFY|LISTEN)\s+\S"
 )
 
-# TRANSITIONAL (issue 15): modules not yet moved to dedup/sql; each line goes as
-# its module moves, and then this list.
-_SQL_NOT_YET_MOVED = {
-    "_db.py",
-    "_drivers.py",
-    "_migrations.py",
-}
-# TRANSITIONAL (issue 15): modules not yet split; each line goes as it is.
-_LONG_NOT_YET_SPLIT = {
-    "_cli.py",
-    "_offsets.py",
-}
-
 
 def _docstrings(tree: ast.AST) -> set[int]:
     found = set()
@@ -62,12 +49,7 @@ def _sql_literals(path: Path) -> list[str]:
 
 def test_no_sql_text_in_the_librarys_python() -> None:
     # Every statement lives under dedup/sql and runs through dedup/_sql.py.
-    found = [
-        hit
-        for path in sorted(LIBRARY.glob("*.py"))
-        if path.name not in _SQL_NOT_YET_MOVED
-        for hit in _sql_literals(path)
-    ]
+    found = [hit for path in sorted(LIBRARY.glob("*.py")) for hit in _sql_literals(path)]
     assert found == []
 
 
@@ -87,6 +69,17 @@ def test_no_module_of_the_library_is_long() -> None:
         path.name: n
         for path in sorted(LIBRARY.rglob("*.py"))
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
-        and path.name not in _LONG_NOT_YET_SPLIT
     }
     assert long == {}
+
+
+def test_queries_name_their_parameters() -> None:
+    # `:group_id`, bound by keyword: never a `$1` whose meaning lives in a comment.
+    positional = re.compile(r"\$[0-9]")
+    found = [
+        f"{path.name}:{n}"
+        for path in sorted((LIBRARY / "sql" / "queries").glob("*.sql"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if positional.search(line.split("--")[0])
+    ]
+    assert found == []

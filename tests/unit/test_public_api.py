@@ -1,4 +1,4 @@
-"""The names outside code relies on (DESIGN.md section 3) are exactly the public surface."""
+"""The names outside code relies on (docs/reference/api.md) are exactly the public surface."""
 
 from __future__ import annotations
 

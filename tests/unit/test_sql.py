@@ -31,7 +31,7 @@ def test_render_substitutes_only_the_schema_placeholder() -> None:
 
 def test_named_queries_are_rendered_for_the_schema() -> None:
     q = sql.Queries("other")
-    assert '"other".partitions' in q.partition_position.sql
+    assert '"other".migrations' in q.migration_rows.sql
     with pytest.raises(AttributeError, match="no query named"):
         _ = q.no_such_query
 

@@ -29,69 +29,70 @@ SELECT namespace FROM ns WHERE namespace IS NOT NULL
 -- By key: the primary key (namespace = ANY, key).  By topic/partition/offset:
 -- no index on purpose (see docs/reference/cli.md); a --since/--until window
 -- narrows the scan through the BRIN index on first_seen.
--- $1 keys (dedup.keys.lookup_forms), $2 namespaces, $3 topic, $4 partition, $5 offset,
--- $6 since, $7 until, $8 statuses (processed, duplicate, conflict), $9 limit.
+-- :keys are dedup.keys.lookup_forms; :statuses any of processed, duplicate, conflict.
 SELECT namespace, idempotency_key, topic, "partition", "offset", token, payload_hash,
        status, first_seen, processed_at, duplicates, conflicts, last_duplicate_at
   FROM {schema}.processed
- WHERE ($1::text[] IS NULL OR idempotency_key = ANY($1))
-   AND ($2::text[] IS NULL OR namespace = ANY($2))
-   AND ($3::text IS NULL OR topic = $3)
-   AND ($4::int IS NULL OR "partition" = $4)
-   AND ($5::bigint IS NULL OR "offset" = $5)
-   AND first_seen >= coalesce($6::timestamptz, '-infinity')
-   AND first_seen < coalesce($7::timestamptz, 'infinity')
-   AND ($8::text[] IS NULL OR 'processed' = ANY($8)
-        OR ('duplicate' = ANY($8) AND duplicates > 0)
-        OR ('conflict' = ANY($8) AND conflicts > 0))
+ WHERE (:keys::text[] IS NULL OR idempotency_key = ANY(:keys))
+   AND (:namespaces::text[] IS NULL OR namespace = ANY(:namespaces))
+   AND (:topic::text IS NULL OR topic = :topic)
+   AND (:partition::int IS NULL OR "partition" = :partition)
+   AND (:offset::bigint IS NULL OR "offset" = :offset)
+   AND first_seen >= coalesce(:since::timestamptz, '-infinity')
+   AND first_seen < coalesce(:until::timestamptz, 'infinity')
+   AND (:statuses::text[] IS NULL OR 'processed' = ANY(:statuses)
+        OR ('duplicate' = ANY(:statuses) AND duplicates > 0)
+        OR ('conflict' = ANY(:statuses) AND conflicts > 0))
  ORDER BY first_seen, namespace, idempotency_key
- LIMIT $9
+ LIMIT :limit
 
 -- name: audit_dead_letters
--- $1 keys, $2 namespaces, $3 topic, $4 partition, $5 offset, $6 since, $7 until
--- (on created_at), $8 only those not replayed yet, $9 limit.
+-- The window is on created_at; :pending keeps only those not replayed yet.
 SELECT id, namespace, group_id, topic, "partition", "offset", timestamp_ms, idempotency_key,
        reason, error, attempts, token, created_at, replayed_at
   FROM {schema}.dead_letters
- WHERE ($1::text[] IS NULL OR idempotency_key = ANY($1))
-   AND ($2::text[] IS NULL OR namespace = ANY($2))
-   AND ($3::text IS NULL OR topic = $3)
-   AND ($4::int IS NULL OR "partition" = $4)
-   AND ($5::bigint IS NULL OR "offset" = $5)
-   AND created_at >= coalesce($6::timestamptz, '-infinity')
-   AND created_at < coalesce($7::timestamptz, 'infinity')
-   AND (NOT $8::bool OR replayed_at IS NULL)
+ WHERE (:keys::text[] IS NULL OR idempotency_key = ANY(:keys))
+   AND (:namespaces::text[] IS NULL OR namespace = ANY(:namespaces))
+   AND topic = coalesce(:topic::text, topic)
+   AND "partition" = coalesce(:partition::int, "partition")
+   AND "offset" = coalesce(:offset::bigint, "offset")
+   AND created_at >= coalesce(:since::timestamptz, '-infinity')
+   AND created_at < coalesce(:until::timestamptz, 'infinity')
+   AND (NOT :pending::bool OR replayed_at IS NULL)
  ORDER BY id
- LIMIT $9
+ LIMIT :limit
 
 -- name: dead_letter_record
--- One dead letter whole.  Replay appends FOR UPDATE, so two replays of the same
--- one serialize and the second sees replayed_at.
+-- One dead letter whole.
 SELECT id, namespace, group_id, topic, "partition", "offset", timestamp_ms, idempotency_key,
        reason, error, attempts, token, created_at, replayed_at,
        key, value, header_names, header_values
   FROM {schema}.dead_letters
- WHERE id = $1
+ WHERE id = :id
+
+-- name: dead_letter_locked
+-- The same, locked for a replay, so two replays of one dead letter serialize
+-- and the second sees replayed_at.
+SELECT * FROM {schema}.dead_letters WHERE id = :id FOR UPDATE
 
 -- name: dead_letter_replayed
-UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = $1 RETURNING replayed_at
+UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = :id RETURNING replayed_at
 
 -- name: audit_events
 -- By key: (namespace = ANY, key) on events_namespace_key; by resource:
 -- events_resource; by task: subject task or lease, namespace = task code.
--- $1 keys, $2 namespaces, $3 resource, $4 subjects, $5 kind, $6 since, $7 until, $8 limit.
 SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_state,
        to_state, trace_id, detail::text AS detail
   FROM {schema}.events
- WHERE ($1::text[] IS NULL OR key = ANY($1))
-   AND ($2::text[] IS NULL OR namespace = ANY($2))
-   AND ($3::text IS NULL OR resource = $3)
-   AND ($4::text[] IS NULL OR subject = ANY($4))
-   AND ($5::text IS NULL OR kind = $5)
-   AND at >= coalesce($6::timestamptz, '-infinity')
-   AND at < coalesce($7::timestamptz, 'infinity')
+ WHERE (:keys::text[] IS NULL OR key = ANY(:keys))
+   AND (:namespaces::text[] IS NULL OR namespace = ANY(:namespaces))
+   AND (:resource::text IS NULL OR resource = :resource)
+   AND (:subjects::text[] IS NULL OR subject = ANY(:subjects))
+   AND (:kind::text IS NULL OR kind = :kind)
+   AND at >= coalesce(:since::timestamptz, '-infinity')
+   AND at < coalesce(:until::timestamptz, 'infinity')
  ORDER BY id
- LIMIT $8
+ LIMIT :limit
 
 -- name: database_now
 SELECT now()

@@ -1,0 +1,94 @@
+"""``dedup migrate``: create or update dedup's tables, print their SQL, or list them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dedup import _cli_common as common
+from dedup import _errors as errors
+from dedup import _migrations as migrations
+from dedup import _report as report
+from dedup import _sql as sql
+
+_COLUMNS = report.columns("component, version, name, status, applied_at")
+
+
+async def _migrate(args: argparse.Namespace) -> int:
+    sql.quote(args.schema)  # a bad name is bad usage, found before connecting
+    if args.all and not args.sql:
+        raise errors.ConfigurationError("--all goes with --sql")
+    if args.format != "table" and not args.status:
+        raise errors.ConfigurationError("--format goes with --status")
+    if args.sql:
+        if args.all:
+            found = migrations.discover(sql.migrations_dir())
+        else:
+            found = await migrations.pending(common.dsn(args), schema=args.schema)
+        print(migrations.script(found, schema=args.schema), end="")
+        return common.EXIT_OK
+    if args.status:
+        return _status(await migrations.status(common.dsn(args), schema=args.schema), args)
+    applied = await migrations.migrate(common.dsn(args), schema=args.schema)
+    for name in applied:
+        print(f"applied {name}")
+    print(f"schema {args.schema} is up to date ({len(applied)} applied now)")
+    return common.EXIT_OK
+
+
+def _status(found: list[migrations.Status], args: argparse.Namespace) -> int:
+    """Print what is applied and pending; exit 1 while something is pending."""
+    rows = [
+        {
+            "component": s.component,
+            "version": s.version,
+            "name": s.name,
+            "status": s.status,
+            "applied_at": report.utc(s.applied_at),
+        }
+        for s in found
+    ]
+    waiting = sum(s.status == migrations.PENDING for s in found)
+    done = report.Report(
+        query={"schema": args.schema},
+        sections=[report.Section("migrations", "migrations", _COLUMNS, rows)],
+    )
+    common.show(done, args)
+    if args.format == "table":
+        if waiting:
+            print(f"\n{waiting} pending: run `dedup migrate` (or apply `dedup migrate --sql`)")
+        else:
+            print(f"\nschema {args.schema} is up to date")
+    return common.EXIT_PROBLEM if waiting else common.EXIT_OK
+
+
+def add_migrate(sub: Any) -> None:
+    """The ``migrate`` command."""
+    p = sub.add_parser(
+        "migrate",
+        help="create or update dedup's tables (safe to rerun); print their SQL; list them",
+        description="Applies the pending migrations under an advisory lock. Exit codes: "
+        "0 done (--status: up to date), 1 --status: migrations are pending, 2 bad usage, "
+        "or a role that may not migrate.",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the SQL of the pending migrations instead of applying it "
+        "(for alembic, flyway, a DBA)",
+    )
+    what.add_argument("--status", action="store_true", help="list applied and pending migrations")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="with --sql: every migration, for an empty schema; needs no database",
+    )
+    p.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="with --status: aligned table, or one JSON document",
+    )
+    common.add_common(p)
+    p.set_defaults(func=_migrate)

@@ -1,0 +1,112 @@
+"""``dedup offsets show | rewind | skip``: where a group stands in Postgres, and moving it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from dedup import _cli_common as common
+from dedup import _errors as errors
+from dedup import _offsets as offsets
+from dedup import _offsets_kafka as offsets_kafka
+
+
+async def _show(args: argparse.Namespace) -> int:
+    query = common.from_args(offsets.ShowQuery, args)
+    offsets_kafka.quiet_aiokafka()
+    async with common.connection(args) as conn:
+        if not args.bootstrap_servers:
+            return common.show(await offsets.show(conn, args.schema, query, None), args)
+        async with offsets_kafka.Kafka(args.bootstrap_servers) as kafka:
+            return common.show(await offsets.show(conn, args.schema, query, kafka), args)
+
+
+async def _move(args: argparse.Namespace) -> int:
+    request = common.from_args(
+        offsets.Move,
+        args,
+        action=args.offsets_command,
+        partitions=sorted(set(args.partition or ())),
+        who=args.holder,
+    )
+    request.check()
+    if not args.bootstrap_servers:
+        raise errors.ConfigurationError(
+            f"`offsets {args.offsets_command}` needs Kafka to check that the group is stopped, "
+            "to find the partitions' offsets and to write Kafka's committed offsets: pass "
+            "--bootstrap-servers host:port or set KAFKA_BOOTSTRAP_SERVERS"
+        )
+    offsets_kafka.quiet_aiokafka()
+    async with (
+        common.connection(args) as conn,
+        offsets_kafka.Kafka(args.bootstrap_servers) as kafka,
+    ):
+        done, note = await offsets.move(conn, args.schema, request, kafka)
+    common.show(done, args)  # before the note, on a terminal too
+    if note:
+        print(f"dedup offsets {args.offsets_command}: {note}", file=sys.stderr)
+    return common.EXIT_OK
+
+
+_MOVES = (
+    (
+        "rewind",
+        "move back: the messages are offered again (duplicates unless their keys are purged)",
+    ),
+    ("skip", "move forward: the messages in between are never applied"),
+)
+
+
+def add_offsets(sub: Any) -> None:
+    """The ``offsets show | rewind | skip`` commands."""
+    group = sub.add_parser(
+        "offsets",
+        help="show, rewind or skip a consumer group's offsets (Postgres holds them)",
+        description="A dedup consumer resumes from the offsets in Postgres, not Kafka's: "
+        "rewind and skip here, not with kafka-consumer-groups --reset-offsets.",
+    )
+    commands = group.add_subparsers(dest="offsets_command", required=True, metavar="ACTION")
+    p = commands.add_parser(
+        "show",
+        help="each partition's stored offset, holder and token; Kafka's end offset and lag",
+        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    )
+    p.add_argument("--group", help="the consumer group (default: all)")
+    p.add_argument("--topic", help="the topic (default: all)")
+    common.add_kafka(p, "Kafka, for end offsets and lag; '' for none")
+    common.add_output(p)
+    p.set_defaults(func=_show)
+    for action, what in _MOVES:
+        _add_move(commands, action, what)
+
+
+def _add_move(commands: Any, action: str, what: str) -> None:
+    p = commands.add_parser(
+        action,
+        help=what,
+        description=f"{what[0].upper()}{what[1:]}. Fences out a running owner (new token) "
+        "and records an event. Exit codes: 0 done, 1 refused (the group has members and "
+        "no --yes) or Kafka/Postgres unavailable, 2 bad usage.",
+    )
+    p.add_argument("--group", required=True, help="the consumer group")
+    p.add_argument("--topic", required=True, help="the topic")
+    p.add_argument(
+        "--partition",
+        type=common.integer(0),
+        action="append",
+        help="a partition (repeatable; default: every partition of the topic)",
+    )
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-offset", type=common.integer(0), help="the next offset to consume")
+    to.add_argument(
+        "--to-time",
+        type=common.TIME,
+        help="the first record at or after this time (ISO 8601, or 2h, 7d ago); "
+        "the end of a partition with none",
+    )
+    p.add_argument("--yes", action="store_true", help="go ahead although the group has members")
+    p.add_argument("--holder", help="who moves it, for the events table (default: user@host)")
+    common.add_kafka(p, "Kafka")
+    common.add_output(p, limit=False)
+    p.set_defaults(func=_move)
