@@ -256,6 +256,8 @@ class Store:
             keys=keys,
             offsets=[first[k][0].offset for k in keys],
             hashes=[first[k][1] for k in keys],
+            topics=None,
+            partitions=None,
             idle_timeout_ms=_milliseconds(idle_timeout),
             lock_timeout_ms=_milliseconds(lock_timeout),
         )
@@ -301,14 +303,15 @@ class Store:
         if first:
             keys = sorted(first)  # key order: concurrent claims can't deadlock
             found = [first[k][0] for k in keys]
-            rows = await self.queries.claim_keys.fetch(
+            rows = await self.queries.fence_and_claim.fetch(  # without a fence
                 conn,
+                **_NO_FENCE,
                 namespace=self.namespace,
                 keys=keys,
-                topics=[m.topic for m in found],
-                partitions=[m.partition for m in found],
                 offsets=[m.offset for m in found],
                 hashes=[first[k][1] for k in keys],
+                topics=[m.topic for m in found],
+                partitions=[m.partition for m in found],
             )
             await self._sort_claimed(conn, result, rows, first, copies)
         await outcomes.record(conn, self.queries, self.namespace, result, None)
@@ -392,6 +395,21 @@ class Store:
                     "with a different payload",
                 )
             )
+
+
+# fence_and_claim for keys of any partitions, in the caller's transaction.
+_NO_FENCE: dict[str, Any] = dict.fromkeys(
+    (
+        "group_id",
+        "topic",
+        "partition",
+        "next_offset",
+        "token",
+        "expected",
+        "idle_timeout_ms",
+        "lock_timeout_ms",
+    ),
+)
 
 
 def _first_copies(

@@ -53,13 +53,15 @@ RETURNING 1 AS fenced
 -- offset only while this token is current and the offset is where this holder
 -- left it; the claim runs only if the fence held.  A key seen before gets its
 -- duplicate (same payload hash) or conflict (different hash) counted instead.
--- :token NULL means no fence (for wrap()); :expected is the next_offset this
+-- :token NULL means no fence (wrap(), claim()); :expected is the next_offset this
 -- holder last stored.  :idle_timeout_ms and :lock_timeout_ms are the
 -- transaction's idle_in_transaction_session_timeout and lock_timeout, as text
 -- (NULL: the session's).  The settings ride on
 -- this statement, the batch's first, instead of a SET LOCAL of their own: no
 -- round trip more per batch, and nothing per session, so they hold through a
--- pooler in transaction mode.
+-- pooler in transaction mode.  A batch's keys are of one :topic and
+-- :partition; dedup.claim() gives keys of any partitions instead, as :topics
+-- and :partitions beside :keys (and no fence).
 WITH fence AS (
     UPDATE {schema}.partitions
        SET next_offset = :next_offset, updated_at = now()
@@ -69,8 +71,9 @@ WITH fence AS (
 ), claim AS (
     INSERT INTO {schema}.processed AS p
         (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
-    SELECT :namespace, k, :topic, :partition, o, :token, h
-      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[]) AS x(k, o, h)
+    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :partition), o, :token, h
+      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[],
+                  :topics::text[], :partitions::int[]) AS x(k, o, h, t, part)
      WHERE :token::bigint IS NULL OR EXISTS (SELECT FROM fence)
     ON CONFLICT (namespace, idempotency_key) DO UPDATE
        SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
@@ -88,21 +91,6 @@ SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
                           coalesce(:lock_timeout_ms::text, current_setting('lock_timeout')),
                           true)) AS settings
   LEFT JOIN claim ON true
-
--- name: claim_keys
--- dedup.claim(): the claim of fence_and_claim without a fence, inside the
--- caller's own transaction, for keys from any topics and partitions.
-INSERT INTO {schema}.processed AS p
-    (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
-SELECT :namespace, k, t, part, o, NULL, h
-  FROM unnest(:keys::text[], :topics::text[], :partitions::int[], :offsets::bigint[],
-              :hashes::bytea[]) AS x(k, t, part, o, h)
-ON CONFLICT (namespace, idempotency_key) DO UPDATE
-   SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
-       conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
-       last_duplicate_at = now()
-RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
-          p.topic, p."partition", p."offset"
 
 -- name: count_copies
 -- Further copies of a key inside one batch, once each was classified against
