@@ -41,6 +41,10 @@ async def _events(args: argparse.Namespace) -> int:
         raise errors.ConfigurationError("--business-key goes with --task CODE")
     if args.task is not None and args.key is not None:
         raise errors.ConfigurationError("with --task, give the business key as --business-key")
+    if args.task is not None and args.namespace is not None:
+        raise errors.ConfigurationError(
+            "--task is the task's namespace: give --task or --namespace, not both"
+        )
     key = args.business_key if args.task is not None else args.key
     query = common.from_args(audit.EventsQuery, args, key=key)
     query.check()
