@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -79,6 +80,18 @@ SERVICE = service.ConsumerService(
 )
 
 
+# The flag and variable (after NOTIFICATIONS_) of each outbox.Settings field.
+_FLAGS = {
+    "claim_ttl": ("--claim-ttl", "CLAIM_TTL"),
+    "timeout": ("--timeout", "SEND_TIMEOUT"),
+    "max_attempts": ("--send-attempts", "SEND_ATTEMPTS"),
+    "retry_base": ("--retry-base", "RETRY_BASE"),
+    "retry_max": ("--retry-max", "RETRY_MAX"),
+    "poll_interval": ("--poll-interval", "POLL_INTERVAL"),
+    "batch_size": ("--dispatch-batch", "DISPATCH_BATCH"),
+}
+
+
 def parser() -> argparse.ArgumentParser:
     """The consumer's flags, and the dispatcher's."""
     p = SERVICE.parser()
@@ -92,23 +105,17 @@ def parser() -> argparse.ArgumentParser:
         env="NOTIFICATIONS_RECEIVER_URL",
         help="where to POST, e.g. http://127.0.0.1:8080/notifications",
     )
-    for flag, env, default, kind, text in (
-        ("--claim-ttl", "CLAIM_TTL", 30.0, float, "seconds a claim lasts (database clock)"),
-        ("--timeout", "SEND_TIMEOUT", 10.0, float, "seconds a send may take (< --claim-ttl)"),
-        ("--send-attempts", "SEND_ATTEMPTS", 8, int, "claims of a row before it is failed"),
-        ("--retry-base", "RETRY_BASE", 1.0, float, "seconds before the first retry; doubles"),
-        ("--retry-max", "RETRY_MAX", 60.0, float, "longest wait between retries"),
-        ("--poll-interval", "POLL_INTERVAL", 0.5, float, "seconds between looks when idle"),
-        ("--dispatch-batch", "DISPATCH_BATCH", 10, int, "rows claimed and sent at once"),
-    ):
+    for setting in dataclasses.fields(outbox.Settings):
+        flag, env = _FLAGS[setting.name]
         service.option(
-            group, flag, env=f"NOTIFICATIONS_{env}", default=default, type=kind, help=text
+            group,
+            flag,
+            env=f"NOTIFICATIONS_{env}",
+            default=setting.default,
+            type=type(setting.default),
+            help=setting.metadata["help"],
         )
     return p
-
-
-# Dispatcher settings whose flag has the same name (--claim-ttl is claim_ttl).
-_DISPATCHER_OPTIONS = ("holder", "claim_ttl", "retry_base", "retry_max", "poll_interval", "timeout")
 
 
 async def dispatch(args: argparse.Namespace) -> int:
@@ -120,13 +127,19 @@ async def dispatch(args: argparse.Namespace) -> int:
         pool = await service.connect(args.dsn)
         try:
             try:
+                # argparse keeps --send-attempts as send_attempts.
+                settings = outbox.Settings(
+                    **{
+                        name: getattr(args, flag[2:].replace("-", "_"))
+                        for name, (flag, _) in _FLAGS.items()
+                    }
+                )
                 dispatcher = outbox.Dispatcher(
                     pool,
                     receiver_url=url,
-                    batch_size=args.dispatch_batch,
-                    max_attempts=args.send_attempts,
+                    holder=args.holder,
+                    settings=settings,
                     after_send=_hold if os.environ.get(HOLD_AFTER_SEND) else None,
-                    **{o: getattr(args, o) for o in _DISPATCHER_OPTIONS},
                 )
             except ValueError as exc:
                 raise dedup.ConfigurationError(str(exc)) from exc

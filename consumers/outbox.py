@@ -33,14 +33,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from opentelemetry import metrics, propagate, trace
 
 import dedup
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 tracer = trace.get_tracer("consumers.outbox")
 deliveries = metrics.get_meter("consumers.outbox").create_counter(
@@ -123,6 +125,35 @@ def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> int:
         return int(exc.code)
 
 
+def _setting(default: T, meaning: str) -> T:
+    """A :class:`Settings` field: its default and what it means (the service's help)."""
+    return field(default=default, metadata={"help": meaning})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a :class:`Dispatcher` claims, sends and retries (a field's ``metadata["help"]`` says)."""
+
+    claim_ttl: float = _setting(30.0, "seconds a claim lasts (database clock)")
+    timeout: float = _setting(10.0, "seconds a send may take (< --claim-ttl)")
+    max_attempts: int = _setting(8, "claims of a row before it is failed")
+    retry_base: float = _setting(1.0, "seconds before the first retry; doubles")
+    retry_max: float = _setting(60.0, "longest wait between retries")
+    poll_interval: float = _setting(0.5, "seconds between looks when idle")
+    batch_size: int = _setting(10, "rows claimed and sent at once")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.timeout < self.claim_ttl:
+            raise ValueError(
+                f"the send timeout ({self.timeout}s) must be shorter than the claim "
+                f"({self.claim_ttl}s): a send must end before another dispatcher may claim the row"
+            )
+
+    def retry_delay(self, attempts: int) -> float:
+        """Seconds before a row claimed ``attempts`` times is due again."""
+        return min(self.retry_base * 2.0 ** (attempts - 1), self.retry_max)
+
+
 class Dispatcher:
     """Delivers the outbox to one receiver URL (see the module docstring)."""
 
@@ -132,35 +163,18 @@ class Dispatcher:
         *,
         receiver_url: str,
         holder: str | None = None,
-        batch_size: int = 10,
-        claim_ttl: float = 30.0,
-        max_attempts: int = 8,
-        retry_base: float = 1.0,
-        retry_max: float = 60.0,
-        poll_interval: float = 0.5,
-        timeout: float = 10.0,
+        settings: Settings | None = None,
         after_send: AfterSend | None = None,
     ) -> None:
         parsed = urllib.parse.urlsplit(receiver_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"receiver URL {receiver_url!r}: expected http(s)://host[:port]/path")
-        if not 0 < timeout < claim_ttl:
-            raise ValueError(
-                f"the send timeout ({timeout}s) must be shorter than the claim ({claim_ttl}s): "
-                "a send must end before another dispatcher may claim the row"
-            )
         self.pool = pool
         """asyncpg pool on the database of the outbox."""
         self.receiver_url = receiver_url
         self.holder = holder or dedup.default_holder()
         """This dispatcher's name in ``claimed_by``."""
-        self.batch_size = batch_size
-        self.claim_ttl = claim_ttl
-        self.max_attempts = max_attempts
-        self.retry_base = retry_base
-        self.retry_max = retry_max
-        self.poll_interval = poll_interval
-        self.timeout = timeout
+        self.settings = settings or Settings()
         self.after_send = after_send
         self.stats: collections.Counter[str] = collections.Counter()
         """Deliveries by outcome: sent, stale, retried, failed."""
@@ -171,13 +185,14 @@ class Dispatcher:
             if await self.dispatch_once():
                 continue
             try:
-                await asyncio.wait_for(stop.wait(), self.poll_interval)
+                await asyncio.wait_for(stop.wait(), self.settings.poll_interval)
             except TimeoutError:
                 pass
 
     async def dispatch_once(self) -> int:
         """Claim one batch of due rows, send and mark them; return how many were claimed."""
-        rows = await self.pool.fetch(CLAIM, self.holder, self.batch_size, self.claim_ttl)
+        limits = self.settings
+        rows = await self.pool.fetch(CLAIM, self.holder, limits.batch_size, limits.claim_ttl)
         batch = [
             Delivery(r["id"], r["idempotency_key"], r["payload"], r["claim_token"], r["attempts"])
             for r in rows
@@ -204,7 +219,11 @@ class Dispatcher:
             propagate.inject(headers)
             try:
                 status = await asyncio.to_thread(
-                    post, self.receiver_url, delivery.payload.encode(), headers, self.timeout
+                    post,
+                    self.receiver_url,
+                    delivery.payload.encode(),
+                    headers,
+                    self.settings.timeout,
                 )
             except (OSError, http.client.HTTPException) as exc:
                 span.set_attribute("error.type", type(exc).__name__)
@@ -229,9 +248,9 @@ class Dispatcher:
                 await self._retry(delivery, status, f"HTTP {status}")
 
     async def _retry(self, delivery: Delivery, status: int | None, error: str) -> None:
-        delay = min(self.retry_base * 2 ** (delivery.attempts - 1), self.retry_max)
+        delay = self.settings.retry_delay(delivery.attempts)
         outcome = await self.pool.fetchval(
-            RETRY, delivery.id, delivery.token, self.max_attempts, delay, status, error
+            RETRY, delivery.id, delivery.token, self.settings.max_attempts, delay, status, error
         )
         if outcome == "failed":
             log.warning("%s: %s; no attempts left, marked failed", delivery.key, error)

@@ -17,7 +17,7 @@ import getpass
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import orjson
@@ -136,28 +136,62 @@ async def limited(
     return [report.json_row(r) for r in records[:limit]], len(records) > limit
 
 
-@dataclass(frozen=True)
-class AuditQuery:
-    """What ``dedup audit`` was asked; ``None`` means no filter."""
+@dataclass(frozen=True, kw_only=True)
+class Lookup:
+    """What ``dedup audit`` and ``dedup events`` both filter by; ``None`` means no filter."""
 
     key: str | None = None
-    """The idempotency key, as the user knows it or as stored (see :func:`keys.lookup_forms`)."""
+    """The idempotency key, as the user knows it or as stored (see :func:`keys.lookup_forms`);
+    for a task's events, its business key."""
     namespace: str | None = None
-    """The consumer namespace."""
+    """The consumer namespace (for events, a task code is one too)."""
+    since: timespec.TimeSpec | None = None
+    """At or after (audit: first seen; dead letters: created)."""
+    until: timespec.TimeSpec | None = None
+    """Before."""
+    limit: int = report.DEFAULT_LIMIT
+    """Most rows per section."""
+
+    ASK: ClassVar[str] = "say what to look up"
+    """What to say when the query names nothing: the options that would."""
+
+    def naming(self) -> tuple[object, ...]:
+        """The filters of which at least one must be given."""
+        return (self.key,)
+
+    def check(self) -> None:
+        """Refuse an empty window (durations are checked once resolved, see :class:`Window`),
+        or a query that names nothing (:attr:`ASK` says what to give)."""
+        check_window(self.since, self.until)
+        if all(v is None for v in self.naming()):
+            raise errors.ConfigurationError(self.ASK)
+
+    async def window(self, conn: asyncpg.Connection, queries: sql.Queries) -> Window:
+        """Check the query, then resolve its window against the database clock."""
+        self.check()
+        return await Window.resolve(conn, queries, self.since, self.until)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditQuery(Lookup):
+    """What ``dedup audit`` was asked; ``None`` means no filter."""
+
     topic: str | None = None
     """Where the message came from: topic, partition and offset together."""
     partition: int | None = None
     """See ``topic``."""
     offset: int | None = None
     """See ``topic``."""
-    since: timespec.TimeSpec | None = None
-    """First seen (dead letters: created) at or after."""
-    until: timespec.TimeSpec | None = None
-    """First seen (dead letters: created) before."""
     statuses: Sequence[str] | None = None
     """Any of :data:`STATUSES`."""
-    limit: int = report.DEFAULT_LIMIT
-    """Most rows per section."""
+
+    ASK = (
+        "say what to audit: --key KEY, --topic T --partition P --offset O, "
+        "or --since TIME (with --until, --status)"
+    )
+
+    def naming(self) -> tuple[object, ...]:
+        return (self.key, self.topic, self.since)
 
     def check(self) -> None:
         """Refuse a query that names no message, naming the options to use."""
@@ -166,19 +200,13 @@ class AuditQuery:
             raise errors.ConfigurationError(
                 "--topic, --partition and --offset go together: give all three"
             )
-        check_window(self.since, self.until)
-        if self.key is None and self.topic is None and self.since is None:
-            raise errors.ConfigurationError(
-                "say what to audit: --key KEY, --topic T --partition P --offset O, "
-                "or --since TIME (with --until, --status)"
-            )
+        super().check()
 
 
 async def audit(conn: asyncpg.Connection, schema: str, q: AuditQuery) -> report.Report:
     """The claimed keys and dead letters matching ``q``."""
-    q.check()
     queries = sql.Queries(schema)
-    window = await Window.resolve(conn, queries, q.since, q.until)
+    window = await q.window(conn, queries)
     statuses = set(q.statuses or STATUSES)
     where = {
         "keys": keys.lookup_forms(q.key) if q.key is not None else None,
@@ -224,46 +252,31 @@ async def audit(conn: asyncpg.Connection, schema: str, q: AuditQuery) -> report.
     )
 
 
-@dataclass(frozen=True)
-class EventsQuery:
+@dataclass(frozen=True, kw_only=True)
+class EventsQuery(Lookup):
     """What ``dedup events`` was asked; ``None`` means no filter."""
 
-    key: str | None = None
-    """Idempotency key (as the user knows it or as stored), or a task's business key."""
-    namespace: str | None = None
-    """Consumer namespace, or task code."""
     resource: str | None = None
     """A lease resource, or ``topic:partition`` / ``group:topic:partition``."""
     task: str | None = None
-    """A task code (events with subject ``task``, and ``lease`` for its lease)."""
+    """A task code (events with subject ``task``, and ``lease`` for its lease); it is the
+    namespace, so ``namespace`` is not given with it."""
     kind: str | None = None
     """One transition, e.g. ``task_taken_over``."""
-    since: timespec.TimeSpec | None = None
-    """At or after."""
-    until: timespec.TimeSpec | None = None
-    """Before."""
-    limit: int = report.DEFAULT_LIMIT
-    """Most events."""
 
-    def check(self) -> None:
-        """Refuse a query that names nothing to follow."""
-        if self.task is not None and self.namespace is not None:
-            raise errors.ConfigurationError(
-                "--task is the task's namespace: give --task or --namespace, not both"
-            )
-        check_window(self.since, self.until)
-        if self.key is None and self.resource is None and self.task is None:
-            raise errors.ConfigurationError(
-                "say whose events: --key KEY [--namespace NS], --resource R, "
-                "or --task CODE [--business-key KEY]"
-            )
+    ASK = (
+        "say whose events: --key KEY [--namespace NS], --resource R, "
+        "or --task CODE [--business-key KEY]"
+    )
+
+    def naming(self) -> tuple[object, ...]:
+        return (self.key, self.resource, self.task)
 
 
 async def events(conn: asyncpg.Connection, schema: str, q: EventsQuery) -> report.Report:
     """The events matching ``q``, oldest first."""
-    q.check()
     queries = sql.Queries(schema)
-    window = await Window.resolve(conn, queries, q.since, q.until)
+    window = await q.window(conn, queries)
     namespace = q.task if q.task is not None else q.namespace
     namespaces = await _namespaces(conn, queries.events_namespaces, q.key, namespace)
     # A task's story includes the lease it ran under (same namespace and key).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dedup
@@ -27,8 +27,6 @@ from dedup import _errors as errors
 from dedup import _imports as imports
 from dedup import _task_command as task_command
 from dedup import _tasks as tasks
-
-Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 # The names `task run` and `run` use, from what every command shares.
 EXIT_OK = common.EXIT_OK
@@ -56,6 +54,12 @@ def _load_job(spec: str) -> tasks.Job:
 
 
 async def _task_run(args: argparse.Namespace) -> int:
+    """run a job once per (task, business key), however many machines fire it
+
+    Exit codes: 0 this runner ran the job and it succeeded, 1 it failed
+    (or no attempts are left, or the lease was lost), 2 bad usage,
+    3 skipped: already succeeded, 4 skipped: running on another holder.
+    """
     return await task_command.run_task(
         _load_job(args.job),
         task=args.task,
@@ -85,6 +89,12 @@ def _load_service(spec: str) -> Callable[[list[str]], Any]:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    """run a service module, e.g. dedup run consumers.payments
+
+    Imports MODULE and calls its entry point with the arguments after it:
+    `main(argv) -> int` (async or not), or the FUNCTION named. `dedup run MODULE --help`
+    shows the service's own options. The exit code is the service's.
+    """
     entry = _load_service(args.service)
     forwarded = []
     for flag, value in (("--dsn", args.dsn), ("--schema", args.schema)):
@@ -97,18 +107,11 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _add_run(sub: Any) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run a service module, e.g. dedup run consumers.payments",
-        description="Imports MODULE and calls its entry point with the arguments after it: "
-        "`main(argv) -> int` (async or not), or the FUNCTION named. `dedup run MODULE --help` "
-        "shows the service's own options. The exit code is the service's.",
-    )
+    p = common.command(sub, "run", _run)
     p.add_argument("--dsn", help="passed to the service as --dsn (it reads $DEDUP_DSN itself)")
     p.add_argument("--schema", help="passed to the service as --schema")
     p.add_argument("service", metavar="MODULE[:FUNCTION]", help="e.g. consumers.payments")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options")
-    p.set_defaults(func=_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,16 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_migrate.add_migrate(sub)
 
-    task = sub.add_parser("task", help="run-once tasks").add_subparsers(
+    task = common.command(sub, "task", help="run-once tasks").add_subparsers(
         dest="task_command", required=True, metavar="TASK_COMMAND"
     )
-    p = task.add_parser(
-        "run",
-        help="run a job once per (task, business key), however many machines fire it",
-        description="Exit codes: 0 this runner ran the job and it succeeded, 1 it failed "
-        "(or no attempts are left, or the lease was lost), 2 bad usage, "
-        "3 skipped: already succeeded, 4 skipped: running on another holder.",
-    )
+    p = common.command(task, "run", _task_run)
     p.add_argument("job", metavar="MODULE:FUNCTION", help="async def job(run: dedup.TaskRun)")
     p.add_argument("--task", required=True, help="the task code, e.g. statements")
     p.add_argument("--key", required=True, help="the business key, e.g. 2024-05-31")
@@ -151,7 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs before a failing task is left alone until --force (default: %(default)s)",
     )
     _common(p)
-    p.set_defaults(func=_task_run)
 
     for add in (
         cli_audit.add_audit,
@@ -170,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``dedup`` command and return its exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    func: Command = args.func
+    func: common.Command = args.func
     try:
         return asyncio.run(func(args))
     except errors.ConfigurationError as exc:

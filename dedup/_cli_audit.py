@@ -2,6 +2,8 @@
 
 Each reads (or purges) what the consumers and task runners left in the
 database and prints one :class:`dedup._report.Report`, as a table or JSON.
+A command's function says in its docstring what ``--help`` shows (see
+:func:`dedup._cli_common.command`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from dedup import _retention as retention
 
 
 async def _audit(args: argparse.Namespace) -> int:
+    """what happened to a message: its claimed key and any dead letter
+
+    Exit codes: 0 found, 1 nothing matches, 2 bad usage.
+    """
     query = common.from_args(audit.AuditQuery, args)
     query.check()
     async with common.connection(args) as conn:
@@ -27,10 +33,18 @@ async def _audit(args: argparse.Namespace) -> int:
 
 
 async def _events(args: argparse.Namespace) -> int:
+    """the transitions recorded for a key, a resource or a task
+
+    Exit codes: 0 found, 1 nothing matches, 2 bad usage.
+    """
     if args.business_key is not None and args.task is None:
         raise errors.ConfigurationError("--business-key goes with --task CODE")
     if args.task is not None and args.key is not None:
         raise errors.ConfigurationError("with --task, give the business key as --business-key")
+    if args.task is not None and args.namespace is not None:
+        raise errors.ConfigurationError(
+            "--task is the task's namespace: give --task or --namespace, not both"
+        )
     key = args.business_key if args.task is not None else args.key
     query = common.from_args(audit.EventsQuery, args, key=key)
     query.check()
@@ -39,17 +53,29 @@ async def _events(args: argparse.Namespace) -> int:
 
 
 async def _dead_letters_list(args: argparse.Namespace) -> int:
+    """dead letters, oldest first
+
+    Exit codes: 0 found, 1 none match, 2 bad usage.
+    """
     query = common.from_args(dead_letters.ListQuery, args)
     async with common.connection(args) as conn:
         return common.show(await dead_letters.list_(conn, args.schema, query), args)
 
 
 async def _dead_letters_show(args: argparse.Namespace) -> int:
+    """one dead letter whole: key, value, headers, reason
+
+    Exit codes: 0 found, 1 no such id, 2 bad usage.
+    """
     async with common.connection(args) as conn:
         return common.show(await dead_letters.show(conn, args.schema, args.id), args)
 
 
 async def _dead_letters_replay(args: argparse.Namespace) -> int:
+    """produce dead letters to their topic again, through the claim path
+
+    Exit codes: 0 all replayed, 1 some not (unknown id, replayed already), 2 bad usage.
+    """
     if not args.bootstrap_servers:
         raise errors.ConfigurationError(
             "no Kafka to replay to: pass --bootstrap-servers host:port or set "
@@ -73,6 +99,10 @@ async def _dead_letters_replay(args: argparse.Namespace) -> int:
 
 
 async def _purge(args: argparse.Namespace) -> int:
+    """delete keys older than the retention window, in short batches
+
+    Exit codes: 0 done, 1 some batches were skipped (locked; rerun), 2 bad usage.
+    """
     # --before 30d means the same as --older-than 30d.
     older_than = args.older_than
     before = args.before
@@ -93,6 +123,14 @@ async def _purge(args: argparse.Namespace) -> int:
 
 
 async def _reconcile(args: argparse.Namespace) -> int:
+    """compare a task's source and result for one business date
+
+    Runs the source and result queries declared for the task code (RECONCILE
+    in a module: --module, $DEDUP_RECONCILE_MODULES, or an entry point of the
+    dedup.reconcile group) for one business date, in one snapshot; prints both figures
+    and the difference and writes a reconcile event. Exit codes: 0 they agree,
+    1 mismatch, 2 bad usage (unknown task, bad date, a query that fails).
+    """
     registry = reconciliation.Registry.default(args.module)
     if args.list:
         for check in registry.checks():
@@ -110,14 +148,13 @@ async def _reconcile(args: argparse.Namespace) -> int:
 
 def add_audit(sub: Any) -> None:
     """The ``audit`` command."""
-    p = sub.add_parser(
-        "audit",
-        help="what happened to a message: its claimed key and any dead letter",
-        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    p = common.command(sub, "audit", _audit)
+    common.add_filters(
+        p,
+        key="the idempotency key, as known or as stored (sha256:...)",
+        namespace="the consumer namespace (default: all)",
+        topic="with --partition and --offset: where the message was read",
     )
-    p.add_argument("--key", help="the idempotency key, as known or as stored (sha256:...)")
-    p.add_argument("--namespace", help="the consumer namespace (default: all)")
-    p.add_argument("--topic", help="with --partition and --offset: where the message was read")
     p.add_argument("--partition", type=common.integer(0), help="see --topic")
     p.add_argument("--offset", type=common.integer(0), help="see --topic")
     common.add_window(p, "first seen (dead letters: created)")
@@ -129,73 +166,49 @@ def add_audit(sub: Any) -> None:
         help=f"any of {', '.join(audit.STATUSES)} (repeat or comma-separate)",
     )
     common.add_output(p)
-    p.set_defaults(func=_audit)
 
 
 def add_events(sub: Any) -> None:
     """The ``events`` command."""
-    p = sub.add_parser(
-        "events",
-        help="the transitions recorded for a key, a resource or a task",
-        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    p = common.command(sub, "events", _events)
+    common.add_filters(
+        p,
+        key="an idempotency key, as known or as stored (sha256:...)",
+        namespace="with --key: the consumer namespace (default: all)",
+        resource="a lease resource or topic:partition",
+        task="a task code",
+        business_key="with --task: the task's business key",
+        kind="only this transition, e.g. task_taken_over",
     )
-    p.add_argument("--key", help="an idempotency key, as known or as stored (sha256:...)")
-    p.add_argument("--namespace", help="with --key: the consumer namespace (default: all)")
-    p.add_argument("--resource", help="a lease resource or topic:partition")
-    p.add_argument("--task", help="a task code")
-    p.add_argument("--business-key", help="with --task: the task's business key")
-    p.add_argument("--kind", help="only this transition, e.g. task_taken_over")
     common.add_window(p, "recorded")
     common.add_output(p)
-    p.set_defaults(func=_events)
 
 
 def add_dead_letters(sub: Any) -> None:
     """The ``dead-letters list | show | replay`` commands."""
-    dl = sub.add_parser("dead-letters", help="list, show and replay dead letters")
+    dl = common.command(sub, "dead-letters", help="list, show and replay dead letters")
     commands = dl.add_subparsers(dest="dead_letters_command", required=True, metavar="ACTION")
-    p = commands.add_parser(
-        "list",
-        help="dead letters, oldest first",
-        description="Exit codes: 0 found, 1 none match, 2 bad usage.",
-    )
-    p.add_argument("--namespace", help="the consumer namespace")
-    p.add_argument("--topic", help="the original record's topic")
+    p = common.command(commands, "list", _dead_letters_list)
+    common.add_filters(p, namespace="the consumer namespace", topic="the original record's topic")
     common.add_window(p, "dead-lettered")
     p.add_argument("--pending", action="store_true", help="only those not replayed yet")
     common.add_output(p)
-    p.set_defaults(func=_dead_letters_list)
 
-    p = commands.add_parser(
-        "show",
-        help="one dead letter whole: key, value, headers, reason",
-        description="Exit codes: 0 found, 1 no such id, 2 bad usage.",
-    )
+    p = common.command(commands, "show", _dead_letters_show)
     p.add_argument("id", type=common.integer(1), help="the dead letter's id")
     common.add_output(p, limit=False)
-    p.set_defaults(func=_dead_letters_show)
 
-    p = commands.add_parser(
-        "replay",
-        help="produce dead letters to their topic again, through the claim path",
-        description="Exit codes: 0 all replayed, 1 some not (unknown id, replayed already), "
-        "2 bad usage.",
-    )
+    p = common.command(commands, "replay", _dead_letters_replay)
     p.add_argument("ids", metavar="ID", nargs="+", type=common.integer(1), help="dead letter ids")
     common.add_kafka(p, "Kafka")
     p.add_argument("--again", action="store_true", help="also resend those replayed already")
     p.add_argument("--holder", help="who replays, for the events table (default: user@host)")
     common.add_output(p, limit=False)
-    p.set_defaults(func=_dead_letters_replay)
 
 
 def add_purge(sub: Any) -> None:
     """The ``purge`` command."""
-    p = sub.add_parser(
-        "purge",
-        help="delete keys older than the retention window, in short batches",
-        description="Exit codes: 0 done, 1 some batches were skipped (locked; rerun), 2 bad usage.",
-    )
+    p = common.command(sub, "purge", _purge)
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--older-than", type=common.DURATION, help="the window: 30d, 12h, 90m, 3600s")
     when.add_argument("--before", type=common.TIME, help="an exact cutoff (ISO 8601)")
@@ -218,20 +231,11 @@ def add_purge(sub: Any) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
     common.add_output(p, limit=False)
-    p.set_defaults(func=_purge)
 
 
 def add_reconcile(sub: Any) -> None:
     """The ``reconcile`` command."""
-    p = sub.add_parser(
-        "reconcile",
-        help="compare a task's source and result for one business date",
-        description="Runs the source and result queries declared for the task code (RECONCILE "
-        "in a module: --module, $DEDUP_RECONCILE_MODULES, or an entry point of the "
-        "dedup.reconcile group) for one business date, in one snapshot; prints both figures "
-        "and the difference and writes a reconcile event. Exit codes: 0 they agree, "
-        "1 mismatch, 2 bad usage (unknown task, bad date, a query that fails).",
-    )
+    p = common.command(sub, "reconcile", _reconcile)
     p.add_argument("--task", help="the task code, e.g. statements")
     p.add_argument(
         "--date",
@@ -247,4 +251,3 @@ def add_reconcile(sub: Any) -> None:
     p.add_argument("--list", action="store_true", help="list the known task codes and exit")
     p.add_argument("--holder", help="who checks, for the events table (default: hostname:pid)")
     common.add_output(p, limit=False)
-    p.set_defaults(func=_reconcile)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import asyncpg
@@ -32,6 +33,41 @@ T = TypeVar("T")
 
 POOL_OPTIONS = {"statement_cache_size": 0}
 """asyncpg options of every command's connections (see the module docstring)."""
+
+Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+"""What a command does with its arguments; returns the exit code."""
+
+
+def command(
+    sub: Any,
+    name: str,
+    run: Command | None = None,
+    *,
+    help: str | None = None,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """Declare ``name`` in ``sub`` (an ``add_subparsers()``) and return its parser.
+
+    ``run`` is what the command does; its docstring is the command's help: the
+    first line for the list of commands, the rest (the exit codes, say) for
+    ``--help``.  ``help`` and ``description`` say it instead (a group of
+    actions, which has no ``run``, or one ``run`` behind two commands).
+    """
+    doc = inspect.getdoc(run) if run is not None else None
+    if doc:
+        first, _, rest = doc.partition("\n\n")
+        help = help or first
+        description = description or rest or None
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
+    if run is not None:
+        parser.set_defaults(func=run)
+    return parser
+
+
+def add_filters(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """Text options narrowing what a command reads: ``business_key=HELP`` is ``--business-key``."""
+    for name, help in helps.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", help=help)
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

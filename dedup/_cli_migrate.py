@@ -15,6 +15,12 @@ _COLUMNS = report.columns("component, version, name, status, applied_at")
 
 
 async def _migrate(args: argparse.Namespace) -> int:
+    """create or update dedup's tables (safe to rerun); print their SQL; list them
+
+    Applies the pending migrations under an advisory lock. Exit codes:
+    0 done (--status: up to date), 1 --status: migrations are pending, 2 bad usage,
+    or a role that may not migrate.
+    """
     sql.quote(args.schema)  # a bad name is bad usage, found before connecting
     if args.all and not args.sql:
         raise errors.ConfigurationError("--all goes with --sql")
@@ -64,13 +70,7 @@ def _status(found: list[migrations.Status], args: argparse.Namespace) -> int:
 
 def add_migrate(sub: Any) -> None:
     """The ``migrate`` command."""
-    p = sub.add_parser(
-        "migrate",
-        help="create or update dedup's tables (safe to rerun); print their SQL; list them",
-        description="Applies the pending migrations under an advisory lock. Exit codes: "
-        "0 done (--status: up to date), 1 --status: migrations are pending, 2 bad usage, "
-        "or a role that may not migrate.",
-    )
+    p = common.command(sub, "migrate", _migrate)
     what = p.add_mutually_exclusive_group()
     what.add_argument(
         "--sql",
@@ -91,4 +91,3 @@ def add_migrate(sub: Any) -> None:
         help="with --status: aligned table, or one JSON document",
     )
     common.add_common(p)
-    p.set_defaults(func=_migrate)

@@ -13,6 +13,10 @@ from dedup import _offsets_kafka as offsets_kafka
 
 
 async def _show(args: argparse.Namespace) -> int:
+    """each partition's stored offset, holder and token; Kafka's end offset and lag
+
+    Exit codes: 0 found, 1 nothing matches, 2 bad usage.
+    """
     query = common.from_args(offsets.ShowQuery, args)
     offsets_kafka.quiet_aiokafka()
     async with common.connection(args) as conn:
@@ -60,30 +64,29 @@ _MOVES = (
 
 def add_offsets(sub: Any) -> None:
     """The ``offsets show | rewind | skip`` commands."""
-    group = sub.add_parser(
+    group = common.command(
+        sub,
         "offsets",
         help="show, rewind or skip a consumer group's offsets (Postgres holds them)",
         description="A dedup consumer resumes from the offsets in Postgres, not Kafka's: "
         "rewind and skip here, not with kafka-consumer-groups --reset-offsets.",
     )
     commands = group.add_subparsers(dest="offsets_command", required=True, metavar="ACTION")
-    p = commands.add_parser(
-        "show",
-        help="each partition's stored offset, holder and token; Kafka's end offset and lag",
-        description="Exit codes: 0 found, 1 nothing matches, 2 bad usage.",
+    p = common.command(commands, "show", _show)
+    common.add_filters(
+        p, group="the consumer group (default: all)", topic="the topic (default: all)"
     )
-    p.add_argument("--group", help="the consumer group (default: all)")
-    p.add_argument("--topic", help="the topic (default: all)")
     common.add_kafka(p, "Kafka, for end offsets and lag; '' for none")
     common.add_output(p)
-    p.set_defaults(func=_show)
     for action, what in _MOVES:
         _add_move(commands, action, what)
 
 
 def _add_move(commands: Any, action: str, what: str) -> None:
-    p = commands.add_parser(
+    p = common.command(
+        commands,
         action,
+        _move,
         help=what,
         description=f"{what[0].upper()}{what[1:]}. Fences out a running owner (new token) "
         "and records an event. Exit codes: 0 done, 1 refused (the group has members and "
@@ -109,4 +112,3 @@ def _add_move(commands: Any, action: str, what: str) -> None:
     p.add_argument("--holder", help="who moves it, for the events table (default: user@host)")
     common.add_kafka(p, "Kafka")
     common.add_output(p, limit=False)
-    p.set_defaults(func=_move)

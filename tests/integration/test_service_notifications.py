@@ -35,10 +35,12 @@ STREAM = [notification(f"n{i}") for i in range(5)]
 
 
 @contextlib.asynccontextmanager
-async def dispatching(pool: Any, url: str, **options: Any) -> AsyncIterator[outbox.Dispatcher]:
+async def dispatching(
+    pool: Any, url: str, holder: str | None = None, **options: Any
+) -> AsyncIterator[outbox.Dispatcher]:
     """An in-process dispatcher, stopped (its sends finished) on the way out."""
-    settings = {"retry_base": 0.05, "poll_interval": 0.05, **options}
-    dispatcher = outbox.Dispatcher(pool, receiver_url=url, **settings)
+    settings = outbox.Settings(**{"retry_base": 0.05, "poll_interval": 0.05, **options})
+    dispatcher = outbox.Dispatcher(pool, receiver_url=url, holder=holder, settings=settings)
     stop = asyncio.Event()
     task = asyncio.create_task(dispatcher.run(stop))
     try:
