@@ -146,15 +146,18 @@ async def _reconcile(args: argparse.Namespace) -> int:
     return common.show(found.as_report(), args, ok=found.ok)
 
 
+# What audit and events both look a message up by.
+_KEY_FILTERS = {
+    "key": "the idempotency key, as known or as stored (sha256:...)",
+    "namespace": "the consumer namespace (default: all)",
+}
+
+
 def add_audit(sub: Any) -> None:
     """The ``audit`` command."""
     p = common.command(sub, "audit", _audit)
-    common.add_filters(
-        p,
-        key="the idempotency key, as known or as stored (sha256:...)",
-        namespace="the consumer namespace (default: all)",
-        topic="with --partition and --offset: where the message was read",
-    )
+    where = "with --partition and --offset: where the message was read"
+    common.add_filters(p, **_KEY_FILTERS, topic=where)
     p.add_argument("--partition", type=common.integer(0), help="see --topic")
     p.add_argument("--offset", type=common.integer(0), help="see --topic")
     common.add_window(p, "first seen (dead letters: created)")
@@ -173,8 +176,7 @@ def add_events(sub: Any) -> None:
     p = common.command(sub, "events", _events)
     common.add_filters(
         p,
-        key="an idempotency key, as known or as stored (sha256:...)",
-        namespace="with --key: the consumer namespace (default: all)",
+        **_KEY_FILTERS,
         resource="a lease resource or topic:partition",
         task="a task code",
         business_key="with --task: the task's business key",
