@@ -126,15 +126,22 @@ def _texts() -> dict[str, str]:
     return found
 
 
+@functools.cache
+def _rendered(schema: str) -> dict[str, Query]:
+    """Every named query rendered for ``schema``: once per schema per process."""
+    found = {}
+    for name, text in _texts().items():
+        rendered, params = positional(render(text, schema))
+        found[name] = Query(name, rendered, params)
+    return found
+
+
 class Queries:
     """The named queries of ``dedup/sql/queries``, rendered for one schema."""
 
     def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
         self.schema = schema
-        self._queries: dict[str, Query] = {}
-        for name, text in _texts().items():
-            rendered, params = positional(render(text, schema))
-            self._queries[name] = Query(name, rendered, params)
+        self._queries = _rendered(schema)
 
     def __getattr__(self, name: str) -> Query:
         try:
