@@ -27,9 +27,11 @@ import orjson
 from dedup_dev import children, kafka
 from tests import helpers
 from tests.conftest import ROOT, Topics
+from tests.support import docs as docs_support
 from tests.support import service as service_support
 
 DASHBOARD = ROOT / "compose" / "grafana" / "dashboards" / "dedup.json"
+PAGE = ROOT / "docs" / "operations.md"
 JOB = "dedup-payments"
 DAY = "2026-11-30"
 ACCOUNTS = [f"acc-{i}" for i in range(6)]
@@ -40,6 +42,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def documented_command(port: int) -> list[str]:
+    """docs/operations.md's command that serves a service's metrics, on ``port``."""
+    section = docs_support.section(PAGE.read_text(encoding="utf-8"), "## Dashboard and metrics")
+    [(language, command)] = docs_support.checked_snippets(PAGE.name, section)
+    assert language == "sh" and command.startswith("dedup run consumers.payments "), command
+    words = command.split()
+    assert words[-2:] == ["--metrics-port", "9464"], command
+    return [*words[1:-1], str(port)]
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -111,11 +123,9 @@ async def test_every_dashboard_panel_answers_from_a_real_prometheus(
         f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n"
     )
     env = service_support.environment(dsn, bootstrap_servers, PAYMENTS_TOPIC=topic)
-    argv = ("run", "consumers.payments", "--group", group, "--max-attempts", "2")
+    argv = (*documented_command(metrics_port), "--group", group, "--max-attempts", "2")
     async with contextlib.AsyncExitStack() as stack:
-        service = await stack.enter_async_context(
-            service_support.child(*argv, "--metrics-port", str(metrics_port), env=env)
-        )
+        service = await stack.enter_async_context(service_support.child(*argv, env=env))
         prometheus_process = await children.Child.spawn(
             (
                 prometheus_bin,
