@@ -123,6 +123,19 @@ lock_waits = _counter(
 retries = _counter(
     "dedup.retries", "{retry}", "batches, messages and partition takeovers tried again"
 )
+
+
+def counting(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Start a partition's counters at 0 and return their ``attributes``.
+
+    A counter that was never added to is no series at all in Prometheus, so a
+    dashboard's deadlock panel would show "no data" instead of 0.
+    """
+    for counter in (stale_rejections, deadlocks, lock_waits, retries):
+        counter.add(0, attributes)
+    return attributes
+
+
 lease_losses = _counter("dedup.lease.losses", "{lease}", "leases lost by their holder")
 reconcile_mismatches = _counter(
     "dedup.reconcile.mismatches", "{check}", "reconciliation mismatches"

@@ -110,7 +110,7 @@ class PartitionWorker:
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._oldest_in_flight: int | None = None  # a timestamp (ms), for the age gauge
-        self._counted = batch.counted(settings, tp.topic)
+        self._counted = telemetry.counting(batch.counted(settings, tp.topic))
         self._consumed = batch.consumed(settings, tp)
 
     # ------------------------------------------------------------ lifecycle --
