@@ -1,12 +1,15 @@
 """Every panel of the Grafana dashboard answers from a real Prometheus scraping a bundled service.
 
 Debian's ``prometheus`` (``compose/local/prometheus`` installs it) scrapes
-``dedup run consumers.payments --metrics-port N`` every second while the test
+``dedup run consumers.payments --metrics-port N`` four times a second while the test
 sends payments with replays, conflicting copies, malformed ones and one that
 an account's newer fence refuses.  Then each target of each panel of
 ``compose/grafana/dashboards/dedup.json`` is evaluated through Prometheus's
 HTTP API, with Grafana's variables replaced: each must return data, and each
 quantile must lie between 0 and the time the test watched the run take.
+Last, the panels are drawn from Prometheus's data over the run
+(``dedup_dev.dashboard``, matplotlib: no Grafana here) into a PNG, which
+``DEDUP_DASHBOARD_PNG=docs/img/dashboard.png`` keeps as the page's picture.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import shutil
 import socket
 import time
 import urllib.parse
@@ -24,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from dedup_dev import children, kafka
+from dedup_dev import children, dashboard, kafka
 from tests import helpers
 from tests.conftest import ROOT, Topics
 from tests.support import docs as docs_support
@@ -36,6 +41,13 @@ JOB = "dedup-payments"
 DAY = "2026-11-30"
 ACCOUNTS = [f"acc-{i}" for i in range(6)]
 PAYMENTS = 300
+# Set to a path (docs/img/dashboard.png), the rendered dashboard is written there too.
+PICTURE_VARIABLE = "DEDUP_DASHBOARD_PNG"
+PICTURE = "docs/img/dashboard.png"
+# Four scrapes a second: the run lasts seconds, and its picture needs points.
+SCRAPE_MS = 250
+# Grafana's $__rate_interval for that scrape interval: four scrapes.
+RATE_INTERVAL = f"{4 * SCRAPE_MS}ms"
 
 
 def free_port() -> int:
@@ -44,14 +56,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def dashboard_section() -> str:
+    return docs_support.section(PAGE.read_text(encoding="utf-8"), "## Dashboard and metrics")
+
+
 def documented_command(port: int) -> list[str]:
     """docs/operations.md's command that serves a service's metrics, on ``port``."""
-    section = docs_support.section(PAGE.read_text(encoding="utf-8"), "## Dashboard and metrics")
-    [(language, command)] = docs_support.checked_snippets(PAGE.name, section)
+    [(language, command), _] = docs_support.checked_snippets(PAGE.name, dashboard_section())
     assert language == "sh" and command.startswith("dedup run consumers.payments "), command
     words = command.split()
     assert words[-2:] == ["--metrics-port", "9464"], command
     return [*words[1:-1], str(port)]
+
+
+def check_documented_picture() -> None:
+    """The page shows PICTURE, and its second command is this test writing it there."""
+    section = dashboard_section()
+    [_, (language, command)] = docs_support.checked_snippets(PAGE.name, section)
+    this_test = Path(__file__).relative_to(ROOT)
+    assert language == "sh", language
+    assert command.strip() == f"{PICTURE_VARIABLE}={PICTURE} pytest {this_test}", command
+    shown = Path(PICTURE).relative_to("docs")
+    assert f"]({shown})" in section, f"the page does not show {shown}"
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -117,7 +143,7 @@ async def test_every_dashboard_panel_answers_from_a_real_prometheus(
     group = f"g-{topic}"
     metrics_port, prometheus_port = free_port(), free_port()
     (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"global: {{scrape_interval: {SCRAPE_MS}ms, evaluation_interval: 1s}}\n"
         "scrape_configs:\n"
         f"  - job_name: {JOB}\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n"
@@ -150,7 +176,7 @@ async def test_every_dashboard_panel_answers_from_a_real_prometheus(
         await helpers.wait_for(
             lambda: prometheus.query(f'up{{job="{JOB}"}} == 1'), what="a first scrape"
         )
-        started = time.monotonic()
+        started, drawn_from = time.monotonic(), time.time()
         # Keyed by payment: every account is written from every partition at once.
         load = [
             (f"p{i}".encode(), payment(f"p{i}", ACCOUNTS[i % len(ACCOUNTS)], 1 + i % 7))
@@ -210,6 +236,27 @@ async def test_every_dashboard_panel_answers_from_a_real_prometheus(
         assert service.alive and prometheus_process.alive, await service.stderr()
         by_name = await prometheus.query(f'count by (__name__) ({{job="{JOB}"}})')
         names = sorted(series["metric"]["__name__"] for series in by_name)
+        picture = tmp_path / "dashboard.png"
+        figure = await asyncio.to_thread(
+            dashboard.render,
+            json.loads(DASHBOARD.read_text(encoding="utf-8")),
+            prometheus.url,
+            drawn_from,
+            time.time(),
+            picture,
+            variables={"job": JOB, "__rate_interval": RATE_INTERVAL},
+            step=SCRAPE_MS / 1000,
+        )
+
+    # One panel drawn per panel of the dashboard, each with lines from Prometheus's data.
+    panels = json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]
+    assert [ax.get_title(loc="left") for ax in figure.axes] == [p["title"] for p in panels]
+    undrawn = [ax.get_title(loc="left") for ax in figure.axes if not ax.get_lines()]
+    assert not undrawn, f"panels drawn without data: {undrawn}"
+    assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    check_documented_picture()
+    if kept := os.environ.get(PICTURE_VARIABLE):
+        await asyncio.to_thread(shutil.copyfile, picture, kept)
 
     for query, result in answers.items():
         if "histogram_quantile" not in query:
