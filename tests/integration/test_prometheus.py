@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import socket
+import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -268,3 +269,17 @@ async def test_every_dashboard_panel_answers_from_a_real_prometheus(
 
     empty = [query for query, result in answers.items() if not result]
     assert not empty, "panels without data:\n" + "\n".join([*empty, "scraped:", *names])
+
+
+async def test_the_compose_prometheus_configuration_is_valid() -> None:
+    # The file `docker compose up` hands Prometheus, checked by Prometheus's own tool.
+    promtool = str(Path(await binary()).with_name("promtool"))
+    config = ROOT / "compose" / "prometheus" / "prometheus.yml"
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [promtool, "check", "config", "--syntax-only", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
