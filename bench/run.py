@@ -202,6 +202,51 @@ def arm_list(requested: list[str], batch_sizes: list[int]) -> list[tuple[str, in
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench``: run the benchmark, print the table, write results.json."""
+    args, requested, sizes = parse(argv)
+    hot_messages = args.hot_messages or min(args.messages, arms.HOT_MESSAGES)
+    kafka, admin_dsn = services()
+    plan = arm_list(requested, sizes)
+    has_hot = any(name in arms.HOT_ARMS for name, _ in plan)
+    has_main = any(name not in arms.HOT_ARMS for name, _ in plan)
+
+    run_id = uuid.uuid4().hex[:8]
+    records, expected = workload.generate(args.messages, args.duplicates)
+    hot_records, hot_expected = workload.generate(
+        hot_messages, args.duplicates, accounts=workload.HOT_ACCOUNTS
+    )
+    print(f"run {run_id}: {args.partitions} partitions")
+    if has_main:
+        print(f"  {args.messages:,} records ({expected.distinct:,} distinct keys)")
+    if has_hot:
+        print(
+            f"  hot rows: {hot_messages:,} payments ({hot_expected.distinct:,} distinct) "
+            f"on {workload.HOT_ACCOUNTS} accounts"
+        )
+    topics: list[str] = []
+    try:
+        feeds: dict[bool, Feed] = {}  # is it the hot-row topic -> the topic
+        if has_main:
+            feeds[False] = fill(kafka, args.partitions, records, expected, topics)
+        if has_hot:
+            feeds[True] = fill(kafka, args.partitions, hot_records, hot_expected, topics)
+        del records, hot_records
+        results = run_rounds(args, plan, feeds, Target(run_id, kafka, admin_dsn))
+    finally:
+        for topic in topics:
+            asyncio.run(workload.delete_topic(kafka, topic))
+
+    summary = summarize(results)
+    summary["config"] = run_config(
+        args, argv, expected, hot_messages, hot_expected if has_hot else None
+    )
+    summary["machine"] = machine()
+    summary["versions"] = asyncio.run(server_versions(kafka, admin_dsn))
+    write(summary, args.out, publish=args.publish)
+    return 0
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[int]]:
+    """The options; the arms asked for, in order; the batch sizes of the sweep."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--messages", type=int, default=200_000, help="records in the topic")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of all arms")
@@ -238,69 +283,80 @@ def main(argv: list[str] | None = None) -> int:
         help="also report the time each arm spends in each SQL statement",
     )
     args = parser.parse_args(argv)
-    named_arms = args.arms is not None
     requested = [a.strip() for a in (args.arms or ",".join(arms.ARMS)).split(",") if a.strip()]
     unknown = set(requested) - set(arms.ARMS)
     if unknown:
         parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
-    if args.batch_sizes is None:
+    batch_sizes = args.batch_sizes
+    if batch_sizes is None:
         # Arms named on the command line are a run of those arms alone.
-        args.batch_sizes = "" if named_arms else ",".join(map(str, DEFAULT_BATCH_SIZES))
-    sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
-    hot_messages = args.hot_messages or min(args.messages, arms.HOT_MESSAGES)
-    kafka, admin_dsn = services()
-    plan = arm_list(requested, sizes)
+        batch_sizes = "" if args.arms is not None else ",".join(map(str, DEFAULT_BATCH_SIZES))
+    sizes = [int(s) for s in batch_sizes.split(",") if s.strip()]
+    return args, requested, sizes
 
-    run_id = uuid.uuid4().hex[:8]
-    records, expected = workload.generate(args.messages, args.duplicates)
-    hot_records, hot_expected = workload.generate(
-        hot_messages, args.duplicates, accounts=workload.HOT_ACCOUNTS
-    )
-    has_hot = any(name in arms.HOT_ARMS for name, _ in plan)
-    has_main = any(name not in arms.HOT_ARMS for name, _ in plan)
-    print(f"run {run_id}: {args.partitions} partitions")
-    if has_main:
-        print(f"  {args.messages:,} records ({expected.distinct:,} distinct keys)")
-    if has_hot:
-        print(
-            f"  hot rows: {hot_messages:,} payments ({hot_expected.distinct:,} distinct) "
-            f"on {workload.HOT_ACCOUNTS} accounts"
-        )
+
+@dataclass(frozen=True)
+class Target:
+    """Where the arms of one run go."""
+
+    run_id: str
+    """Names this run's consumer groups and databases."""
+    kafka: str
+    """Kafka's bootstrap servers."""
+    admin_dsn: str
+    """A Postgres DSN that may create and drop databases."""
+
+
+def run_rounds(
+    args: argparse.Namespace,
+    plan: list[tuple[str, int | None]],
+    feeds: dict[bool, Feed],
+    target: Target,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every arm of ``plan``, round after round (A B C ... A B C ...): each arm's results."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in plan}
-    topics: list[str] = []
-    try:
-        feeds: dict[bool, Feed] = {}  # is it the hot-row topic -> the topic
-        if has_main:
-            feeds[False] = fill(kafka, args.partitions, records, expected, topics)
-        if has_hot:
-            feeds[True] = fill(kafka, args.partitions, hot_records, hot_expected, topics)
-        del records, hot_records
-        for rnd in range(1, args.rounds + 1):
-            for name, size in plan:
-                feed = feeds[name in arms.HOT_ARMS]
-                tag = name.replace("@", "_bs")
-                cfg = arms.Config(
-                    arm=name,
-                    bootstrap_servers=kafka,
-                    topic=feed.topic,
-                    group_id=f"bench-{run_id}-{tag}-r{rnd}",
-                    dsn=dev_services.with_database(admin_dsn, f"bench_{run_id}_{tag}_r{rnd}"),
-                    workload=feed.expected.as_dict(),
-                    end_offsets=feed.end_offsets,
-                    batch_size=size,
-                    query_times=args.query_times,
-                )
-                profile = args.profile / f"{tag}-r{rnd}.txt" if args.profile else None
-                result = run_arm(cfg, admin_dsn, f"bench_{run_id}_{tag}_r{rnd}", profile)
-                result["round"] = rnd
-                results[name].append(result)
-                print(report.progress_line(rnd, args.rounds, result), flush=True)
-    finally:
-        for topic in topics:
-            asyncio.run(workload.delete_topic(kafka, topic))
+    for rnd in range(1, args.rounds + 1):
+        for name, size in plan:
+            feed = feeds[name in arms.HOT_ARMS]
+            tag = name.replace("@", "_bs")
+            database = f"bench_{target.run_id}_{tag}_r{rnd}"
+            cfg = arms.Config(
+                arm=name,
+                bootstrap_servers=target.kafka,
+                topic=feed.topic,
+                group_id=f"bench-{target.run_id}-{tag}-r{rnd}",
+                dsn=dev_services.with_database(target.admin_dsn, database),
+                workload=feed.expected.as_dict(),
+                end_offsets=feed.end_offsets,
+                batch_size=size,
+                query_times=args.query_times,
+            )
+            profile = args.profile / f"{tag}-r{rnd}.txt" if args.profile else None
+            result = run_arm(cfg, target.admin_dsn, database, profile)
+            result["round"] = rnd
+            results[name].append(result)
+            print(report.progress_line(rnd, args.rounds, result), flush=True)
+    return results
 
-    summary = summarize(results)
-    summary["config"] = {
+
+def run_config(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    expected: workload.Workload,
+    hot_messages: int,
+    hot_expected: workload.Workload | None,
+) -> dict[str, Any]:
+    """What the run measured, for results.json; ``hot_expected`` when hot-row arms ran."""
+    hot_rows = (
+        None
+        if hot_expected is None
+        else {
+            "messages": hot_messages,
+            "distinct_keys": hot_expected.distinct,
+            "accounts": workload.HOT_ACCOUNTS,
+        }
+    )
+    return {
         "messages": args.messages,
         "distinct_keys": expected.distinct,
         "duplicate_ratio": args.duplicates,
@@ -308,31 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "record_bytes": 200,
         "handwritten_batch": arms.HANDWRITTEN_BATCH,
-        **(
-            {
-                "hot_rows": {
-                    "messages": hot_messages,
-                    "distinct_keys": hot_expected.distinct,
-                    "accounts": workload.HOT_ACCOUNTS,
-                }
-            }
-            if has_hot
-            else {}
-        ),
+        **({"hot_rows": hot_rows} if hot_rows is not None else {}),
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    summary["machine"] = machine()
-    summary["versions"] = asyncio.run(server_versions(kafka, admin_dsn))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+
+
+def write(summary: dict[str, Any], out: Path, *, publish: bool) -> None:
+    """results.json at ``out``, the table on stdout, and with ``publish`` the docs page."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     print()
     print(report.table(summary))
-    print(f"\nwritten: {args.out}")
-    if args.publish:
+    print(f"\nwritten: {out}")
+    if publish:
         for written in report.publish(summary):
             print(f"written: {written}")
-    return 0
 
 
 FIGURES = ("msgs_per_s", "p50_ms", "p99_ms", "cpu_s_per_10k", "peak_rss_mb")

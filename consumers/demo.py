@@ -489,18 +489,81 @@ async def drop_run(run_id: str, env: dict[str, str]) -> int:
     return 0
 
 
+@dataclass
+class Timeline:
+    """The demo's progress lines, each stamped with the seconds since it started."""
+
+    started: float = field(default_factory=time.monotonic)
+
+    def step(self, text: str) -> None:
+        say(f"[{time.monotonic() - self.started:5.1f}s] {text}")
+
+
 async def demo(args: argparse.Namespace, env: dict[str, str], made: Made, logs: Path) -> bool:
     """The demo proper, in the database and topics of ``made``; True when the summary is."""
-    started = time.monotonic()
+    timeline = Timeline()
     rng = random.Random(args.seed)  # noqa: S311 - the shape of a workload, not a secret
-    bootstrap = env["KAFKA_BOOTSTRAP_SERVERS"]
+    env = services_env(env, made)
+    timeline.step(f"migrating dedup and the services in {made.database}")
+    await migrate(env)
+    plan = make_plan(args, rng)
+    pool = await asyncpg.create_pool(made.dsn, min_size=1, max_size=2)
+    await seed_accounts(pool, plan)
 
-    def step(text: str) -> None:
-        say(f"[{time.monotonic() - started:5.1f}s] {text}")
+    procs = Processes(env, logs)
+    try:
+        timeline.step(
+            "starting the receiver, 2 instances of each consumer and 2 outbox dispatchers"
+        )
+        await start_services(procs)
+        timeline.step(
+            f"producing {len(plan.payments)} payments, {len(plan.coupons)} coupon requests and "
+            f"{len(plan.notifications)} notifications, with duplicates, a replay and a poison"
+        )
+        await produce(env["KAFKA_BOOTSTRAP_SERVERS"], made.topics, plan, rng)
+        timeline.step(f"sent {sum(plan.sent.values())} messages")
+        await wait_until(
+            lambda: payments_decided(pool, len(plan.payments) // 3), "a third of the payments", 60
+        )
+        procs.kill("payments-1")
+        timeline.step(
+            "killed payments-1 with SIGKILL mid-stream; payments-2 takes over its partitions"
+        )
+        await wait_until(
+            lambda: all_settled(pool, plan), "every message to be applied or dead-lettered", 90
+        )
+        timeline.step("every message applied, suppressed or dead-lettered")
+        timeline.step(f"racing two statement runners for {DATE}")
+        runner_codes = await race_statement_runners(env)
+        timeline.step(
+            f"runner exit codes {runner_codes} (0 ran, 3 already done, 4 running elsewhere)"
+        )
+        reconciled = await reconcile(env)
+    finally:
+        await procs.stop_all()
 
-    dsn = made.dsn
-    env = {**env, "DEDUP_DSN": dsn, "DEDUP_LOG_LEVEL": "WARNING", "OTEL_SDK_DISABLED": "true"}
-    step(f"migrating dedup and the services in {made.database}")
+    summary = await summarize(pool, plan, reconciled, runner_codes)
+    await pool.close()
+    say("")
+    say(summary.table)
+    say("")
+    for line in look_deeper(made.dsn):
+        say(line)
+    timeline.step("done")
+    return summary.ok
+
+
+def services_env(env: dict[str, str], made: Made) -> dict[str, str]:
+    """``env`` for the services of this run: its database, its topics, its consumer groups."""
+    env = {**env, "DEDUP_DSN": made.dsn, "DEDUP_LOG_LEVEL": "WARNING", "OTEL_SDK_DISABLED": "true"}
+    for name, topic in made.topics.items():
+        env[f"{name.upper()}_TOPIC"] = topic
+        env[f"{name.upper()}_GROUP"] = f"dedup-demo-{made.run_id}-{name}"
+    return env
+
+
+async def migrate(env: dict[str, str]) -> None:
+    """dedup's tables and every service's, all services at once."""
     migrations = await asyncio.gather(
         *(
             run_cli(env, "run", f"consumers.{name}", "--migrate-only")
@@ -510,120 +573,110 @@ async def demo(args: argparse.Namespace, env: dict[str, str], made: Made, logs: 
     for code, out in migrations:
         if code != 0:
             raise SystemExit(f"demo: a migration failed:\n{out}")
-    plan = make_plan(args, rng)
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+
+
+async def seed_accounts(pool: asyncpg.Pool, plan: Plan) -> None:
     await pool.executemany(
         "INSERT INTO payments.accounts (account, balance) VALUES ($1, $2)",
         list(plan.accounts.items()),
     )
-    topics = made.topics
-    for name, topic in topics.items():
-        env[f"{name.upper()}_TOPIC"] = topic
-        env[f"{name.upper()}_GROUP"] = f"dedup-demo-{made.run_id}-{name}"
 
-    procs = Processes(env, logs)
+
+async def start_services(procs: Processes) -> None:
+    """The receiver, two instances of each consumer, and two outbox dispatchers."""
     port = free_port()
-    try:
-        step("starting the receiver, 2 instances of each consumer and 2 outbox dispatchers")
-        await procs.start(
-            "receiver", "run", "consumers.receiver", "--no-migrate", "--port", str(port)
-        )
-        for name in SERVICES:
-            for i in (1, 2):
-                await procs.start(
-                    f"{name}-{i}",
-                    "run",
-                    f"consumers.{name}",
-                    "--no-migrate",
-                    "--holder",
-                    f"demo-{name}-{i}",
-                )
-        url = f"http://127.0.0.1:{port}/notifications"
+    await procs.start("receiver", "run", "consumers.receiver", "--no-migrate", "--port", str(port))
+    for name in SERVICES:
         for i in (1, 2):
             await procs.start(
-                f"dispatcher-{i}",
+                f"{name}-{i}",
                 "run",
-                "consumers.notifications",
+                f"consumers.{name}",
                 "--no-migrate",
-                "--dispatcher",
-                "--receiver-url",
-                url,
                 "--holder",
-                f"dispatch-{i}",
+                f"demo-{name}-{i}",
             )
-
-        step(
-            f"producing {len(plan.payments)} payments, {len(plan.coupons)} coupon requests and "
-            f"{len(plan.notifications)} notifications, with duplicates, a replay and a poison"
+    url = f"http://127.0.0.1:{port}/notifications"
+    for i in (1, 2):
+        await procs.start(
+            f"dispatcher-{i}",
+            "run",
+            "consumers.notifications",
+            "--no-migrate",
+            "--dispatcher",
+            "--receiver-url",
+            url,
+            "--holder",
+            f"dispatch-{i}",
         )
-        await produce(bootstrap, topics, plan, rng)
-        step(f"sent {sum(plan.sent.values())} messages")
 
-        async def decided(n: int) -> bool:
-            return int(await pool.fetchval("SELECT count(*) FROM payments.payments")) >= n
 
-        await wait_until(lambda: decided(len(plan.payments) // 3), "a third of the payments", 60)
-        procs.kill("payments-1")
-        step("killed payments-1 with SIGKILL mid-stream; payments-2 takes over its partitions")
+async def payments_decided(pool: asyncpg.Pool, at_least: int) -> bool:
+    return int(await pool.fetchval("SELECT count(*) FROM payments.payments")) >= at_least
 
-        async def all_done() -> bool:
-            row = await pool.fetchrow(
-                """SELECT (SELECT count(*) FROM payments.payments) AS payments,
-                          (SELECT count(*) FROM coupons.requests) AS coupons,
-                          (SELECT count(*) FROM receiver.notifications) AS delivered,
-                          (SELECT count(*) FROM dedup.dead_letters) AS dead"""
+
+async def all_settled(pool: asyncpg.Pool, plan: Plan) -> bool:
+    """Every message of ``plan`` applied, and the two bad payments dead-lettered."""
+    row = await pool.fetchrow(
+        """SELECT (SELECT count(*) FROM payments.payments) AS payments,
+                  (SELECT count(*) FROM coupons.requests) AS coupons,
+                  (SELECT count(*) FROM receiver.notifications) AS delivered,
+                  (SELECT count(*) FROM dedup.dead_letters) AS dead"""
+    )
+    return bool(
+        row["payments"] >= len(plan.payments)
+        and row["coupons"] >= len(plan.coupons)
+        and row["delivered"] >= len(plan.notifications)
+        and row["dead"] >= 2
+    )
+
+
+async def race_statement_runners(env: dict[str, str]) -> list[int]:
+    """Two ``dedup task run`` of the statements for DATE at once; their exit codes, sorted."""
+    race = await asyncio.gather(
+        *(
+            run_cli(
+                env,
+                "task",
+                "run",
+                "consumers.statements:job",
+                "--task",
+                "statements",
+                "--key",
+                DATE,
+                "--holder",
+                f"cron-{host}",
             )
-            return bool(
-                row["payments"] >= len(plan.payments)
-                and row["coupons"] >= len(plan.coupons)
-                and row["delivered"] >= len(plan.notifications)
-                and row["dead"] >= 2
-            )
-
-        await wait_until(all_done, "every message to be applied or dead-lettered", 90)
-        step("every message applied, suppressed or dead-lettered")
-
-        step(f"racing two statement runners for {DATE}")
-        race = await asyncio.gather(
-            *(
-                run_cli(
-                    env,
-                    "task",
-                    "run",
-                    "consumers.statements:job",
-                    "--task",
-                    "statements",
-                    "--key",
-                    DATE,
-                    "--holder",
-                    f"cron-{host}",
-                )
-                for host in ("a", "b")
-            )
+            for host in ("a", "b")
         )
-        codes = sorted(code for code, _ in race)
-        step(f"runner exit codes {codes} (0 ran, 3 already done, 4 running elsewhere)")
+    )
+    return sorted(code for code, _ in race)
 
-        reconciled = {}
-        for task in (*SERVICES, "statements"):
-            code, out = await run_cli(env, "reconcile", "--task", task, "--date", DATE)
-            reconciled[task] = (code, out)
-    finally:
-        await procs.stop_all()
 
-    summary = await summarize(pool, plan, reconciled, codes)
-    await pool.close()
-    say("")
-    say(summary.table)
-    say("")
+async def reconcile(env: dict[str, str]) -> dict[str, tuple[int, str]]:
+    """``dedup reconcile`` of each task for DATE: its exit code and output, by task."""
+    reconciled = {}
+    for task in (*SERVICES, "statements"):
+        reconciled[task] = await run_cli(env, "reconcile", "--task", task, "--date", DATE)
+    return reconciled
+
+
+def look_deeper(dsn: str) -> list[str]:
+    """The commands to look into the run afterwards, as lines to print."""
     dedup_cli = command("dedup")
-    say("Look deeper (from this directory; or `. .venv/bin/activate` first, then just `dedup`):")
-    say(f"  {dedup_cli} audit --dsn {dsn} --key pay-1 --namespace payments")
-    say(f"  {dedup_cli} events --dsn {dsn} --task statements --business-key {DATE}")
-    say(f"  {dedup_cli} dead-letters list --dsn {dsn}")
-    say(f"  {dedup_cli} reconcile --dsn {dsn} --task payments --date {DATE}")
-    step("done")
-    return summary.ok
+    return [
+        "Look deeper (from this directory; or `. .venv/bin/activate` first, then just `dedup`):",
+        f"  {dedup_cli} audit --dsn {dsn} --key pay-1 --namespace payments",
+        f"  {dedup_cli} events --dsn {dsn} --task statements --business-key {DATE}",
+        f"  {dedup_cli} dead-letters list --dsn {dsn}",
+        f"  {dedup_cli} reconcile --dsn {dsn} --task payments --date {DATE}",
+    ]
+
+
+# ---------------------------------------------------------------- summary --
+
+WIDTH = 26
+"""The width of the summary table's first column."""
 
 
 @dataclass
@@ -632,41 +685,124 @@ class Summary:
     ok: bool
 
 
+@dataclass
+class Figures:
+    """What the run left behind, counted in Postgres; each by service name unless said."""
+
+    applied: dict[str, int]
+    """Keys handled once (rows of dedup.processed)."""
+    took_effect: dict[str, int]
+    """Of those, the ones that did something: a payment deducted, a coupon issued, a delivery."""
+    declined: dict[str, int]
+    """Of those, the ones a business rule turned down."""
+    suppressed: dict[str, int]
+    """Duplicates dedup recognised and did not run."""
+    conflicts: dict[str, int]
+    """Copies of a key with another payload."""
+    dead: dict[str, int]
+    """Dead letters."""
+    lost: dict[str, int]
+    """Items of the plan that left no row in the business tables."""
+    doubled: dict[str, int]
+    """Effects beyond one per item: extra postings, wrong balances, extra coupons or deliveries."""
+    rejections: list[tuple[int, str]]
+    """Why payments were rejected: how many, for what reason; the most frequent first."""
+    stale: int
+    """Writes refused for a stale fencing token, all services together."""
+    statements: int
+    """Statement runs started for DATE."""
+
+
 async def summarize(
-    pool: Any, plan: Plan, reconciled: dict[str, tuple[int, str]], runner_codes: list[int]
+    pool: asyncpg.Pool, plan: Plan, reconciled: dict[str, tuple[int, str]], runner_codes: list[int]
 ) -> Summary:
+    figures = await count_figures(pool, plan)
+    ok = adds_up(figures) and all(code == 0 for code, _ in reconciled.values())
+    return Summary("\n".join(table(figures, plan, reconciled, runner_codes, ok)), ok)
+
+
+async def count_figures(pool: asyncpg.Pool, plan: Plan) -> Figures:
     q = pool.fetchval
-    applied = {
-        name: int(await q("SELECT count(*) FROM dedup.processed WHERE namespace = $1", name))
-        for name in SERVICES
-    }
-    suppressed = {
-        name: int(
+
+    async def per_service(query: str) -> dict[str, int]:
+        return {name: int(await q(query, name)) for name in SERVICES}
+
+    delivered = int(await q("SELECT count(*) FROM receiver.notifications"))
+    lost, doubled = await lost_and_doubled(pool, plan, delivered)
+    reasons = await pool.fetch(
+        "SELECT split_part(reason, ':', 1) AS reason, count(*) FROM payments.payments"
+        " WHERE status = 'rejected' GROUP BY 1 ORDER BY 2 DESC, 1"
+    )
+    return Figures(
+        applied=await per_service("SELECT count(*) FROM dedup.processed WHERE namespace = $1"),
+        # What the handled keys did: the figures `dedup reconcile` counts from.
+        took_effect={
+            "payments": int(
+                await q("SELECT count(*) FROM payments.payments WHERE status = 'applied'")
+            ),
+            "coupons": int(
+                await q("SELECT count(*) FROM coupons.requests WHERE outcome = 'issued'")
+            ),
+            "notifications": delivered,
+        },
+        declined={
+            "payments": int(
+                await q("SELECT count(*) FROM payments.payments WHERE status = 'rejected'")
+            ),
+            "coupons": int(
+                await q("SELECT count(*) FROM coupons.requests WHERE outcome = 'already_issued'")
+            ),
+            "notifications": 0,
+        },
+        suppressed=await per_service(
+            "SELECT coalesce(sum(duplicates), 0) FROM dedup.processed WHERE namespace = $1"
+        ),
+        conflicts=await per_service(
+            "SELECT coalesce(sum(conflicts), 0) FROM dedup.processed WHERE namespace = $1"
+        ),
+        dead=await per_service("SELECT count(*) FROM dedup.dead_letters WHERE namespace = $1"),
+        lost=lost,
+        doubled=doubled,
+        rejections=[(r["count"], r["reason"]) for r in reasons],
+        stale=int(await q("SELECT count(*) FROM dedup.events WHERE kind = 'stale_rejected'")),
+        statements=int(
             await q(
-                "SELECT coalesce(sum(duplicates), 0) FROM dedup.processed WHERE namespace = $1",
-                name,
+                "SELECT count(*) FROM dedup.events WHERE kind = 'task_started' AND key = $1", DATE
             )
-        )
-        for name in SERVICES
-    }
-    conflicts = {
-        name: int(
-            await q(
-                "SELECT coalesce(sum(conflicts), 0) FROM dedup.processed WHERE namespace = $1", name
-            )
-        )
-        for name in SERVICES
-    }
-    dead = {
-        name: int(await q("SELECT count(*) FROM dedup.dead_letters WHERE namespace = $1", name))
-        for name in SERVICES
-    }
-    stale = int(await q("SELECT count(*) FROM dedup.events WHERE kind = 'stale_rejected'"))
-    # Lost and doubled from the business tables: what finance would count.
+        ),
+    )
+
+
+async def lost_and_doubled(
+    pool: asyncpg.Pool, plan: Plan, delivered: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Lost and doubled from the business tables: what finance would count."""
+    q = pool.fetchval
     decided = int(await q("SELECT count(DISTINCT payment_id) FROM payments.payments"))
     postings = int(await q("SELECT count(*) FROM payments.postings"))
     posted = int(await q("SELECT count(DISTINCT payment_id) FROM payments.postings"))
-    wrong_balances = 0
+    requests = int(await q("SELECT count(DISTINCT request_key) FROM coupons.requests"))
+    pairs = {(c["user_id"], c["campaign"]) for c in plan.coupons}
+    coupons_issued = int(await q("SELECT count(*) FROM coupons.coupons"))
+    # Deliveries the receiver acted on (201 delivered), against distinct notifications.
+    deliveries = int(await q("SELECT count(*) FROM receiver.requests WHERE outcome = 'delivered'"))
+    lost = {
+        "payments": len(plan.payments) - decided,
+        "coupons": len(plan.coupons) - requests,
+        "notifications": len(plan.notifications) - delivered,
+    }
+    doubled = {
+        "payments": (postings - posted) + await wrong_balances(pool, plan),
+        "coupons": max(coupons_issued - len(pairs), 0),
+        "notifications": deliveries - delivered,
+    }
+    return lost, doubled
+
+
+async def wrong_balances(pool: asyncpg.Pool, plan: Plan) -> int:
+    """Accounts whose balance is not the opening one less the payments applied to it."""
+    q = pool.fetchval
+    wrong = 0
     for account, opening in plan.accounts.items():
         spent = int(
             await q(
@@ -676,64 +812,48 @@ async def summarize(
             )
         )
         balance = int(await q("SELECT balance FROM payments.accounts WHERE account = $1", account))
-        wrong_balances += balance != opening - spent
-    requests = int(await q("SELECT count(DISTINCT request_key) FROM coupons.requests"))
-    pairs = {(c["user_id"], c["campaign"]) for c in plan.coupons}
-    coupons_issued = int(await q("SELECT count(*) FROM coupons.coupons"))
-    delivered = int(await q("SELECT count(*) FROM receiver.notifications"))
-    # Deliveries the receiver acted on (201 delivered), against distinct notifications.
-    deliveries = int(await q("SELECT count(*) FROM receiver.requests WHERE outcome = 'delivered'"))
-    lost = {
-        "payments": len(plan.payments) - decided,
-        "coupons": len(plan.coupons) - requests,
-        "notifications": len(plan.notifications) - delivered,
-    }
-    doubled = {
-        "payments": (postings - posted) + wrong_balances,
-        "coupons": max(coupons_issued - len(pairs), 0),
-        "notifications": deliveries - delivered,
-    }
-    statements = int(
-        await q("SELECT count(*) FROM dedup.events WHERE kind = 'task_started' AND key = $1", DATE)
+        wrong += balance != opening - spent
+    return wrong
+
+
+def adds_up(figures: Figures) -> bool:
+    """Every handled key accounted for, nothing lost or doubled, each bad payment caught."""
+    return (
+        all(figures.took_effect[n] + figures.declined[n] == figures.applied[n] for n in SERVICES)
+        and not any(figures.lost.values())
+        and not any(figures.doubled.values())
+        and figures.statements == 1
+        and figures.dead["payments"] == 2  # the poison message and the conflicting copy
+        and figures.conflicts["payments"] == 1
     )
-    # What the handled keys did: the figures `dedup reconcile` counts from.
-    took_effect = {
-        "payments": int(await q("SELECT count(*) FROM payments.payments WHERE status = 'applied'")),
-        "coupons": int(await q("SELECT count(*) FROM coupons.requests WHERE outcome = 'issued'")),
-        "notifications": delivered,
-    }
-    declined = {
-        "payments": int(
-            await q("SELECT count(*) FROM payments.payments WHERE status = 'rejected'")
-        ),
-        "coupons": int(
-            await q("SELECT count(*) FROM coupons.requests WHERE outcome = 'already_issued'")
-        ),
-        "notifications": 0,
-    }
-    reasons = await pool.fetch(
-        "SELECT split_part(reason, ':', 1) AS reason, count(*) FROM payments.payments"
-        " WHERE status = 'rejected' GROUP BY 1 ORDER BY 2 DESC, 1"
-    )
+
+
+def table(
+    figures: Figures,
+    plan: Plan,
+    reconciled: dict[str, tuple[int, str]],
+    runner_codes: list[int],
+    ok: bool,
+) -> list[str]:
+    """The summary as printed: the table by service, the reconciliations, the verdict."""
     rows = [
         ("messages sent", plan.sent),
-        ("keys handled once", applied),
-        ("  took effect", took_effect),
-        ("  declined by a rule", declined),
-        ("duplicates suppressed", suppressed),
-        ("conflicts", conflicts),
-        ("dead-lettered", dead),
-        ("lost", lost),
-        ("doubled", doubled),
+        ("keys handled once", figures.applied),
+        ("  took effect", figures.took_effect),
+        ("  declined by a rule", figures.declined),
+        ("duplicates suppressed", figures.suppressed),
+        ("conflicts", figures.conflicts),
+        ("dead-lettered", figures.dead),
+        ("lost", figures.lost),
+        ("doubled", figures.doubled),
     ]
-    width = 26
-    lines = [f"{'':{width}}" + "".join(f"{n:>15}" for n in (*SERVICES, "total"))]
+    lines = [f"{'':{WIDTH}}" + "".join(f"{n:>15}" for n in (*SERVICES, "total"))]
     for label, values in rows:
         total = sum(values.values())
         lines.append(
-            f"{label:{width}}" + "".join(f"{values[n]:>15}" for n in SERVICES) + f"{total:>15}"
+            f"{label:{WIDTH}}" + "".join(f"{values[n]:>15}" for n in SERVICES) + f"{total:>15}"
         )
-    rejected = ", ".join(f"{r['count']} {r['reason']}" for r in reasons) or "none"
+    rejected = ", ".join(f"{count} {reason}" for count, reason in figures.rejections) or "none"
     lines += [
         "  sent = handled once + duplicates suppressed + dead-lettered (a conflicting copy is",
         "    dead-lettered: it counts as a conflict too)",
@@ -741,29 +861,20 @@ async def summarize(
         f"  declined: payments rejected ({rejected}); coupon requests for a campaign whose",
         "    coupon the user already had (they get that one)",
     ]
-    lines.append(f"{'stale writes refused':{width}}{stale:>15}")
+    lines.append(f"{'stale writes refused':{WIDTH}}{figures.stale:>15}")
     lines.append(
-        f"{'statements generated':{width}}{statements:>15}   (runner exit codes {runner_codes})"
+        f"{'statements generated':{WIDTH}}{figures.statements:>15}"
+        f"   (runner exit codes {runner_codes})"
     )
-    recon_ok = all(code == 0 for code, _ in reconciled.values())
     verdicts = ", ".join(
         f"{task} {'OK' if code == 0 else 'MISMATCH'}" for task, (code, _) in reconciled.items()
     )
-    lines.append(f"{'reconciliation':{width}}{verdicts}")
+    lines.append(f"{'reconciliation':{WIDTH}}{verdicts}")
     lines.append(f"  as `dedup reconcile --task TASK --date {DATE}` reports it:")
     for _, out in reconciled.values():
         lines += [f"  {line}" for line in out.strip().splitlines()]
-    ok = (
-        all(took_effect[n] + declined[n] == applied[n] for n in SERVICES)
-        and not any(lost.values())
-        and not any(doubled.values())
-        and statements == 1
-        and recon_ok
-        and dead["payments"] == 2  # the poison message and the conflicting copy
-        and conflicts["payments"] == 1
-    )
     lines.append("RESULT: " + ("zero lost, zero doubled" if ok else "FAILED"))
-    return Summary("\n".join(lines), ok)
+    return lines
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

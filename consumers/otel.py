@@ -1,18 +1,25 @@
-"""The OpenTelemetry SDK for a service process, configured by the standard ``OTEL_*`` variables.
+"""The OpenTelemetry SDK for a service process, configured as ``opentelemetry-instrument`` does.
 
 dedup depends on the OpenTelemetry API only; its spans and metrics go nowhere
-until an application installs the SDK.  A bundled service does, here:
+until an application installs the SDK.  A bundled service does, here, with the
+SDK's own configurator and the defaults of the OpenTelemetry distro, so every
+standard ``OTEL_*`` variable means what it means under ``opentelemetry-instrument``:
 
-- ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``console``, ``otlp``
-  or ``none``, comma-separated for several.  When unset: ``otlp`` if an OTLP
-  endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the signal's own
-  ``..._TRACES_ENDPOINT`` / ``..._METRICS_ENDPOINT``), else ``none``, so a
-  service without a collector does not log export failures every few seconds.
+- ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` / ``OTEL_LOGS_EXPORTER``:
+  ``otlp`` (the default), ``console``, ``prometheus`` (metrics) or ``none``,
+  comma-separated for several.
+- ``OTEL_EXPORTER_OTLP_PROTOCOL`` (and the per-signal ones): ``grpc`` (the
+  distro's default, port 4317) or ``http/protobuf`` (port 4318); the
+  ``OTEL_EXPORTER_OTLP_*`` endpoint, headers, timeout and compression variables.
 - ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``: the resource; the
   service name defaults to the service's own (``dedup-payments``).
-- The OTLP exporter is http/protobuf and reads its own variables (endpoint,
-  headers, timeout); ``OTEL_METRIC_EXPORT_INTERVAL`` sets the metric period.
+- ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_TRACES_SAMPLER``, ...: as the SDK reads them.
+- ``OTEL_EXPORTER_PROMETHEUS_HOST`` / ``_PORT``: where the ``prometheus``
+  exporter serves ``/metrics`` (``--metrics-port`` sets the port and adds the exporter).
 - ``OTEL_SDK_DISABLED=true`` installs nothing.
+
+A service started under ``opentelemetry-instrument`` finds the SDK installed
+already and leaves it as it is.
 """
 
 from __future__ import annotations
@@ -20,91 +27,63 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import dedup
+PROMETHEUS = "prometheus"
+"""The metrics exporter name of opentelemetry-exporter-prometheus (a pull endpoint)."""
 
-EXPORTERS = ("console", "otlp", "none")
+
+def disabled() -> bool:
+    """``OTEL_SDK_DISABLED=true``: the SDK is not to be installed."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
-def exporters(signal: str) -> list[str]:
-    """The exporters chosen for ``signal`` (``traces`` or ``metrics``)."""
-    variable = f"OTEL_{signal.upper()}_EXPORTER"
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
-            f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
-        )
-        return ["otlp"] if endpoint else []
-    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
-    unknown = [n for n in names if n not in EXPORTERS]
-    if unknown:
-        raise dedup.ConfigurationError(
-            f"{variable}={raw!r}: unknown exporter {', '.join(unknown)}; "
-            f"expected {', '.join(EXPORTERS)}"
-        )
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    if "otlp" in names and protocol != "http/protobuf":
-        raise dedup.ConfigurationError(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: only http/protobuf is installed"
-        )
-    return [n for n in names if n != "none"]
+def serve_metrics(port: int) -> None:
+    """Make the SDK serve metrics for Prometheus on ``port``, besides any other exporter.
+
+    The standard variables do it: ``OTEL_EXPORTER_PROMETHEUS_PORT``, and
+    ``prometheus`` in ``OTEL_METRICS_EXPORTER``.  An unset (or ``none``)
+    exporter list becomes ``prometheus`` alone, not the distro's ``otlp`` too:
+    who asks for a scrape endpoint has said where metrics go.
+    """
+    os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(port)
+    raw = os.environ.get("OTEL_METRICS_EXPORTER", "")
+    names = [n.strip() for n in raw.split(",") if n.strip() and n.strip().lower() != "none"]
+    if PROMETHEUS not in names:
+        names.append(PROMETHEUS)
+    os.environ["OTEL_METRICS_EXPORTER"] = ",".join(names)
 
 
 def setup(service_name: str) -> Callable[[], None]:
-    """Install the SDK's tracer and meter providers; return the function that flushes them."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    """Install the SDK from the ``OTEL_*`` variables; return the function that flushes it."""
+    if disabled():
         return lambda: None
-    # The SDK is the application's dependency (dedup-kafka[otel]), imported only when used.
-    from opentelemetry import metrics, trace
+    # The SDK is the application's dependency (the services' distribution), imported only here.
+    from opentelemetry import _logs, metrics, trace
+    from opentelemetry.distro import OpenTelemetryConfigurator, OpenTelemetryDistro
+    from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricExporter
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader as Reader
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (
-        BatchSpanProcessor,
-        ConsoleSpanExporter,
-        SpanExporter,
-    )
 
-    resource = Resource.create()
-    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
-    shutdowns: list[Callable[[], object]] = []
-
-    span_exporters: list[SpanExporter] = []
-    for name in exporters("traces"):
-        if name == "console":
-            span_exporters.append(ConsoleSpanExporter())
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            span_exporters.append(OTLPSpanExporter())
-    if span_exporters:
-        tracer_provider = TracerProvider(resource=resource)
-        for span_exporter in span_exporters:
-            tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
-        trace.set_tracer_provider(tracer_provider)
-        shutdowns.append(tracer_provider.shutdown)
-
-    metric_exporters: list[MetricExporter] = []
-    for name in exporters("metrics"):
-        if name == "console":
-            metric_exporters.append(ConsoleMetricExporter())
-        else:
-            from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-                OTLPMetricExporter,
-            )
-
-            metric_exporters.append(OTLPMetricExporter())
-    if metric_exporters:
-        meter_provider = MeterProvider(
-            resource=resource, metric_readers=[Reader(e) for e in metric_exporters]
-        )
-        metrics.set_meter_provider(meter_provider)
-        shutdowns.append(meter_provider.shutdown)
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        # opentelemetry-instrument (or the embedding application) installed it: theirs to flush.
+        return lambda: None
+    # A name from OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES wins; else the service's own.
+    if str(Resource.create().attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        os.environ["OTEL_SERVICE_NAME"] = service_name
+    # What opentelemetry-instrument runs: the distro's defaults, then the SDK's configurator.
+    OpenTelemetryDistro().configure()
+    OpenTelemetryConfigurator().configure()  # type: ignore[no-untyped-call]  # (the distro has no hints here)
+    providers: list[TracerProvider | MeterProvider | LoggerProvider] = []
+    for provider in (
+        trace.get_tracer_provider(),
+        metrics.get_meter_provider(),
+        _logs.get_logger_provider(),
+    ):
+        if isinstance(provider, TracerProvider | MeterProvider | LoggerProvider):
+            providers.append(provider)
 
     def shutdown() -> None:
-        for stop in reversed(shutdowns):
-            stop()
+        for provider in providers:
+            provider.shutdown()
 
     return shutdown

@@ -33,12 +33,13 @@ SQL = Path(__file__).resolve().parent / "sql"
 Handler = Callable[[dedup.Message, dedup.Tx], Awaitable[object]]
 
 TELEMETRY_HELP = """\
-telemetry (OpenTelemetry SDK, standard variables):
-  OTEL_TRACES_EXPORTER    console, otlp or none (comma-separate for several);
-                          default otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none
-  OTEL_METRICS_EXPORTER   the same, for metrics
+telemetry (the OpenTelemetry SDK, configured as opentelemetry-instrument does):
+  OTEL_TRACES_EXPORTER    otlp (default), console or none (comma-separate for several)
+  OTEL_METRICS_EXPORTER   otlp (default), console, prometheus or none
+  OTEL_LOGS_EXPORTER      otlp (default), console or none
+  OTEL_EXPORTER_OTLP_PROTOCOL  grpc (default, port 4317) or http/protobuf (port 4318)
+  OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS, ...: where otlp sends
   OTEL_SERVICE_NAME       default dedup-<service>
-  OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS, ...: where otlp sends (http/protobuf)
   OTEL_SDK_DISABLED=true  install nothing
 """
 
@@ -101,6 +102,14 @@ def parser(name: str, description: str, *, dedup_tables: bool = True) -> argpars
         help="apply dedup's and this service's migrations, then exit",
     )
     option(p, "--log-level", env="DEDUP_LOG_LEVEL", default="INFO", help="DEBUG, INFO or WARNING")
+    option(
+        p,
+        "--metrics-port",
+        env="DEDUP_METRICS_PORT",
+        type=int,
+        help="serve metrics for Prometheus on this port, at /metrics (OTEL_EXPORTER_PROMETHEUS_HOST"
+        " is the address, default localhost; adds prometheus to OTEL_METRICS_EXPORTER)",
+    )
     return p
 
 
@@ -186,6 +195,13 @@ async def started(
     if args.migrate_only:
         yield False
         return
+    if args.metrics_port is not None:
+        if otel.disabled():
+            raise dedup.ConfigurationError(
+                "--metrics-port with OTEL_SDK_DISABLED=true: the SDK that would serve"
+                " the metrics is disabled; unset one of them"
+            )
+        otel.serve_metrics(args.metrics_port)
     shutdown = otel.setup(f"dedup-{name}")
     try:
         yield True

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka.structs import TopicPartition
 
+from dedup import _db_telemetry as db_telemetry
 from dedup import _faults as faults
 from dedup import _lanes as lanes
 from dedup import _message as message_
+from dedup import _semconv as semconv
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 
@@ -40,6 +42,11 @@ async def transaction(
 
     ``serial``: the lanes deadlocked lately, so the transaction first waits
     for every other serial batch of the group.  Raises what the store raises.
+
+    Traced as the conventions have it: a CONSUMER span ``process <topic>`` for
+    the batch, an INTERNAL span ``dedup transaction`` for the transaction (the
+    handler runs in it), and a CLIENT span per statement dedup sends, BEGIN and
+    COMMIT included.
     """
     s = settings
     count = len(msgs) + len(dead)
@@ -47,46 +54,88 @@ async def transaction(
     links, dropped = telemetry.producer_links(m.raw_headers for m in msgs)
     if dropped:
         attributes["dedup.links.dropped"] = dropped
+    measured = {**_messaging(s, tp), "messaging.operation.name": "process"}
     started = time.perf_counter()
-    with telemetry.consumer_span(f"process {tp.topic}", attributes, links):
-        conn = await lane.connection()
-        with telemetry.client_span(
-            f"BATCH {s.store.schema}.processed",
-            {
-                "db.operation.name": "BATCH",
-                "db.collection.name": "processed",
-                "db.namespace": s.database,
-                "db.operation.batch.size": count,
-            },
-        ):
-            async with conn.transaction():
-                if serial:
-                    # Deadlocked lately: one transaction at a time in the group too.
-                    await s.store.serialize(conn, s.group_id)
-                result = await s.store.apply(
-                    conn,
-                    msgs,
-                    handler=s.handler,
-                    batch_handler=s.batch_handler,
-                    fence=fence,
-                    dead=dead,
-                    handler_timeout=s.handler_timeout,
-                    idle_timeout=s.idle_timeout,
-                    lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
-                )
-                await faults.point(
-                    faults.Point.BEFORE_COMMIT,
-                    conn=conn,
-                    fence=fence,
-                    msgs=msgs,
-                    dead=dead,
-                    result=result,
-                )
-            await faults.point(
-                faults.Point.AFTER_COMMIT, fence=fence, msgs=msgs, dead=dead, result=result
-            )
-    _count(stats, s.namespace, tp, result, count, time.perf_counter() - started)
+    try:
+        with telemetry.consumer_span(f"process {tp.topic}", attributes, links):
+            conn = await lane.connection()
+            result, elapsed = await _transaction(lane, conn, s, serial, fence, msgs, dead)
+    except BaseException as exc:
+        measured["error.type"] = semconv.error_type(exc)
+        raise
+    finally:
+        telemetry.record(telemetry.process_duration, time.perf_counter() - started, measured)
+    _count(stats, s, tp, result, count, elapsed)
     return result
+
+
+async def _transaction(
+    lane: lanes.Lane,
+    conn: Any,
+    s: worker.Settings,
+    serial: bool,
+    fence: store.Fence,
+    msgs: list[message_.Message],
+    dead: list[store.DeadLetter],
+) -> tuple[store.BatchResult, float]:
+    """The transaction itself, under its INTERNAL span; its result and how long it took."""
+    schema = s.store.schema
+    attributes = {
+        "dedup.namespace": s.namespace,
+        "dedup.token": fence.token,
+        "dedup.serial": serial,
+    }
+    with telemetry.internal_span("dedup transaction", attributes):
+        started = time.perf_counter()
+        tx = conn.transaction()
+        with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema)):
+            await tx.start()
+        try:
+            if serial:
+                # Deadlocked lately: one transaction at a time in the group too.
+                await s.store.serialize(conn, s.group_id)
+            result = await s.store.apply(
+                conn,
+                msgs,
+                handler=s.handler,
+                batch_handler=s.batch_handler,
+                fence=fence,
+                dead=dead,
+                handler_timeout=s.handler_timeout,
+                idle_timeout=s.idle_timeout,
+                lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
+            )
+            await faults.point(
+                faults.Point.BEFORE_COMMIT,
+                conn=conn,
+                fence=fence,
+                msgs=msgs,
+                dead=dead,
+                result=result,
+            )
+        except BaseException:
+            # As asyncpg's `async with conn.transaction()` does: roll back, and a
+            # failed rollback raises in place of the batch's error (chained to it).
+            with db_telemetry.db_call(conn, db_telemetry.Call("ROLLBACK", "ROLLBACK", schema)):
+                await tx.rollback()
+            raise
+        with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema)):
+            await tx.commit()
+        elapsed = time.perf_counter() - started
+        await faults.point(
+            faults.Point.AFTER_COMMIT, fence=fence, msgs=msgs, dead=dead, result=result
+        )
+    return result, elapsed
+
+
+def _messaging(s: worker.Settings, tp: TopicPartition) -> dict[str, Any]:
+    """The messaging attributes every span and metric of a partition's batch carries."""
+    return {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": s.group_id,
+        "messaging.destination.name": tp.topic,
+        "messaging.destination.partition.id": str(tp.partition),
+    }
 
 
 def _process_attributes(
@@ -96,30 +145,36 @@ def _process_attributes(
     msgs: list[message_.Message],
     dead: list[store.DeadLetter],
 ) -> dict[str, Any]:
-    """The CONSUMER span's attributes (OpenTelemetry messaging conventions for Kafka)."""
+    """The CONSUMER span's attributes (OpenTelemetry messaging conventions for Kafka).
+
+    A batch of one is a single-message span (its offset, key and tombstone
+    flag); a larger one a batch span (its message count).
+    """
     count = len(msgs) + len(dead)
     attributes: dict[str, Any] = {
-        "messaging.system": "kafka",
+        **_messaging(s, tp),
         "messaging.operation.type": "process",
         "messaging.operation.name": "process",
-        "messaging.destination.name": tp.topic,
-        "messaging.destination.partition.id": str(tp.partition),
-        "messaging.consumer.group.name": s.group_id,
-        "messaging.kafka.offset": (msgs or [d.msg for d in dead])[0].offset,
-        "messaging.batch.message_count": count,
         "dedup.namespace": s.namespace,
         "dedup.token": token,
     }
-    if count == 1 and msgs and msgs[0].key is not None:
-        key = telemetry.key_attribute(msgs[0].key)
+    if count > 1:
+        attributes["messaging.batch.message_count"] = count
+        return attributes
+    single = (msgs or [d.msg for d in dead])[0]
+    attributes["messaging.kafka.offset"] = single.offset
+    if single.key is not None:
+        key = telemetry.key_attribute(single.key)
         if key is not None:
             attributes["messaging.kafka.message.key"] = key
+    if single.tombstone:
+        attributes["messaging.kafka.message.tombstone"] = True
     return attributes
 
 
 def _count(
     stats: MutableMapping[str, int],
-    namespace: str,
+    s: worker.Settings,
     tp: TopicPartition,
     result: store.BatchResult,
     count: int,
@@ -132,7 +187,7 @@ def _count(
     stats["duplicates"] += len(result.duplicates)
     stats["conflicts"] += len(result.conflicts)
     stats["dead_lettered"] += len(result.dead_letters)
-    attrs = {"messaging.destination.name": tp.topic, "dedup.namespace": namespace}
+    attrs = counted(s, tp.topic)
     telemetry.processed.add(len(result.applied), attrs)
     if result.duplicates:
         telemetry.duplicates.add(len(result.duplicates), attrs)
@@ -149,6 +204,25 @@ def _count(
     if result.applied:
         lag = time.time() - result.applied[-1].timestamp / 1000
         telemetry.end_to_end_lag.record(max(lag, 0.0), attrs)
+
+
+def consumed(s: worker.Settings, tp: TopicPartition) -> dict[str, Any]:
+    """The attributes of ``messaging.client.consumed.messages`` for one partition."""
+    return {
+        **_messaging(s, tp),
+        "messaging.operation.name": "poll",
+        "messaging.operation.type": "receive",
+    }
+
+
+def counted(s: worker.Settings, topic: str) -> dict[str, Any]:
+    """The attributes of dedup's counters for one topic of a consumer."""
+    return {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": s.group_id,
+        "messaging.destination.name": topic,
+        "dedup.namespace": s.namespace,
+    }
 
 
 def split(

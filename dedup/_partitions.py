@@ -63,6 +63,7 @@ class Partitions:
         self._hurry = hurry  # a second signal: cut what is in flight now
         self._last_kafka_commit = 0.0
         self._last_owner_check = 0.0
+        telemetry.watch(self)
 
     # ------------------------------------------------------------ ownership --
 
@@ -156,6 +157,7 @@ class Partitions:
                         raise
                     await lane.release()
                     self._stats["retries"] += 1
+                    telemetry.retries.add(1, {"messaging.consumer.group.name": s.group_id})
                     log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, worker.MAX_BACKOFF)
@@ -250,6 +252,48 @@ class Partitions:
                 pending.discard(hurry)
         finally:
             hurry.cancel()
+
+    # ---------------------------------------------------------------- gauges --
+
+    def lag(self) -> list[tuple[int, dict[str, Any]]]:
+        """Per partition held: Kafka's log-end offset minus the offset stored in Postgres.
+
+        Both are known without a round trip: aiokafka keeps the highwater mark
+        of each fetch response, the worker the offset its last batch stored.
+        A partition whose highwater or offset is not known yet is left out.
+        Called by the SDK's metric reader, maybe from another thread.
+        """
+        found: list[tuple[int, dict[str, Any]]] = []
+        if self._stopping.is_set():
+            return found  # a stopped consumer reports nothing
+        for tp, owner in list(self.workers.items()):
+            try:
+                end = self._kafka.highwater(tp)
+            except (AssertionError, AttributeError, aiokafka.errors.IllegalStateError):
+                continue  # not assigned any more
+            stored = owner.expected
+            if end is not None and stored is not None:
+                found.append((max(end - stored, 0), self._gauge_attributes(tp)))
+        return found
+
+    def oldest_unapplied(self, now: float) -> list[tuple[float, dict[str, Any]]]:
+        """Per partition held: seconds since the oldest record fetched, not committed (0: none)."""
+        found: list[tuple[float, dict[str, Any]]] = []
+        if self._stopping.is_set():
+            return found
+        for tp, owner in list(self.workers.items()):
+            oldest = owner.oldest_unapplied()
+            age = 0.0 if oldest is None else max(now - oldest / 1000, 0.0)
+            found.append((age, self._gauge_attributes(tp)))
+        return found
+
+    def _gauge_attributes(self, tp: TopicPartition) -> dict[str, Any]:
+        return {
+            "messaging.system": "kafka",
+            "messaging.consumer.group.name": self._settings.group_id,
+            "messaging.destination.name": tp.topic,
+            "messaging.destination.partition.id": str(tp.partition),
+        }
 
     # -------------------------------------------------------------- offsets --
 

@@ -287,7 +287,6 @@ async def reconcile(
     attributes = {
         "dedup.task": check.task,
         "dedup.key": day.isoformat(),
-        "db.system.name": "postgresql",
     }
     with telemetry.tracer.start_as_current_span(
         f"reconcile {check.task}", attributes=attributes

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dedup import _db_telemetry as db_telemetry
 from dedup import _errors as errors
 
 DEFAULT_SCHEMA = "dedup"
@@ -39,6 +40,9 @@ _PARAMETER = re.compile(
     r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|::|(?<![:\w]):([a-z_][a-z0-9_]*)"
 )
 _SQL = importlib.resources.files("dedup") / "sql"
+_COMMENT = re.compile(r"--[^\n]*")
+_OPERATION = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|MERGE|LOCK|CREATE)\b")
+_TABLE = re.compile(r"\{schema\}\.(\w+)")
 
 
 def quote(schema: str) -> str:
@@ -76,13 +80,42 @@ def positional(text: str) -> tuple[str, tuple[str, ...]]:
     return _PARAMETER.sub(number, text), tuple(names)
 
 
+def summarize(text: str, schema: str | None) -> tuple[str, str]:
+    """``db.operation.name`` and ``db.query.summary`` of a query's text (before rendering).
+
+    The summary names each of dedup's tables the text touches, in order, with
+    the operation that touches it (``UPDATE dedup.partitions INSERT
+    dedup.processed``), as the conventions build it; a text that touches none is
+    its first operation (``SELECT``).
+    """
+    code = _COMMENT.sub("", text)
+    operations = list(_OPERATION.finditer(code))
+    first = operations[0].group(1) if operations else "EXECUTE"
+    parts: list[str] = []
+    for table in _TABLE.finditer(code):
+        before = [op.group(1) for op in operations if op.start() < table.start()]
+        part = f"{before[-1] if before else first} {schema or 'dedup'}.{table.group(1)}"
+        if part not in parts:
+            parts.append(part)
+    return first, " ".join(parts) or first
+
+
 @dataclasses.dataclass(frozen=True)
 class Query:
-    """One named query, rendered for one schema, run with keyword arguments."""
+    """One named query, rendered for one schema, run with keyword arguments.
+
+    Each run is a CLIENT span named after its ``summary`` (:func:`dedup._db_telemetry.db_call`).
+    """
 
     name: str
     sql: str
     params: tuple[str, ...]
+    operation: str = "EXECUTE"
+    """``db.operation.name``: its first operation."""
+    summary: str = "EXECUTE"
+    """``db.query.summary``: operations and tables (see :func:`summarize`)."""
+    schema: str | None = None
+    """The schema it was rendered for (None: a template on the caller's tables)."""
 
     def args(self, values: Mapping[str, Any]) -> list[Any]:
         """The positional arguments for ``values``, which must name every parameter."""
@@ -96,19 +129,29 @@ class Query:
         return [values[name] for name in self.params]
 
     async def fetch(self, conn: Any, **values: Any) -> list[Any]:
-        return list(await conn.fetch(self.sql, *self.args(values)))
+        args = self.args(values)
+        with db_telemetry.db_call(conn, self):
+            return list(await conn.fetch(self.sql, *args))
 
     async def fetchrow(self, conn: Any, **values: Any) -> Any:
-        return await conn.fetchrow(self.sql, *self.args(values))
+        args = self.args(values)
+        with db_telemetry.db_call(conn, self):
+            return await conn.fetchrow(self.sql, *args)
 
     async def fetchval(self, conn: Any, **values: Any) -> Any:
-        return await conn.fetchval(self.sql, *self.args(values))
+        args = self.args(values)
+        with db_telemetry.db_call(conn, self):
+            return await conn.fetchval(self.sql, *args)
 
     async def execute(self, conn: Any, **values: Any) -> str:
-        return str(await conn.execute(self.sql, *self.args(values)))
+        args = self.args(values)
+        with db_telemetry.db_call(conn, self):
+            return str(await conn.execute(self.sql, *args))
 
     async def executemany(self, conn: Any, rows: Iterable[Mapping[str, Any]]) -> None:
-        await conn.executemany(self.sql, [self.args(row) for row in rows])
+        args = [self.args(row) for row in rows]
+        with db_telemetry.db_call(conn, self):
+            await conn.executemany(self.sql, args)
 
 
 @functools.cache
@@ -132,7 +175,8 @@ def _rendered(schema: str) -> dict[str, Query]:
     found = {}
     for name, text in _texts().items():
         rendered, params = positional(render(text, schema))
-        found[name] = Query(name, rendered, params)
+        operation, summary = summarize(text, schema)
+        found[name] = Query(name, rendered, params, operation, summary, schema)
     return found
 
 
@@ -176,4 +220,5 @@ def template(name: str, **parts: str) -> Query:
     for part, filled in parts.items():
         text = text.replace("{" + part + "}", filled)
     rendered, params = positional(text)
-    return Query(name, rendered, params)
+    operation, _ = summarize(text, None)
+    return Query(name, rendered, params, operation, operation)

@@ -153,7 +153,6 @@ class TaskRunner:
             "dedup.task": task,
             "dedup.key": business_key,
             "dedup.holder": self.holder,
-            "db.system.name": "postgresql",
         }
         with telemetry.tracer.start_as_current_span(f"task {task}", attributes=attributes) as span:
             try:

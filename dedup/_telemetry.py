@@ -4,9 +4,16 @@ dedup depends on ``opentelemetry-api`` only.  Until an application installs
 the SDK, every call here is a no-op proxy; with the SDK, spans and metrics go
 wherever the application's providers send them.
 
-Spans follow the messaging conventions for Kafka (``process <topic>``,
-CONSUMER kind, ``messaging.*`` attributes).  Each state transition is a span
-event named ``dedup.<transition>`` with ``dedup.*`` attributes.
+Spans follow the OpenTelemetry semantic conventions (:data:`semconv.SCHEMA_URL`): a
+batch is a CONSUMER span ``process <topic>`` (messaging conventions for Kafka),
+dedup's transaction an INTERNAL span ``dedup transaction`` under it, and each
+statement dedup sends a CLIENT span (database conventions for PostgreSQL).
+Each state transition is a span event named ``dedup.<transition>`` with
+``dedup.*`` attributes.  Every span and metric is listed in
+``docs/reference/telemetry.md`` (a test checks the page against what is emitted).
+
+Which conventions, and ``OTEL_SEMCONV_STABILITY_OPT_IN``: :mod:`dedup._semconv`;
+the CLIENT spans of statements: :mod:`dedup._db_telemetry`.
 
 Telemetry never fails a batch: whatever a producer put in its headers, and
 whatever an installed SDK does, a fault here is counted in
@@ -18,16 +25,20 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import importlib.metadata
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from opentelemetry import context, metrics, propagate, trace
+
+from dedup import _semconv as semconv
 
 log = logging.getLogger("dedup.telemetry")
 
 INSTRUMENTATION = "dedup"
-
 MAX_LINKS = 128
 """Most producer links on one batch span: the SDK's default limit, past which it drops
 links without a word.  dedup stops there and sets ``dedup.links.dropped`` on the span to
@@ -39,55 +50,177 @@ MAX_CONTEXT_HEADER = 4096
 
 Headers = Sequence[tuple[str, "bytes | None"]]
 
-tracer = trace.get_tracer(INSTRUMENTATION)
-meter = metrics.get_meter(INSTRUMENTATION)
 
-# Counters: what happened to messages, batches, leases and checks.
-(
-    processed,
-    duplicates,
-    conflicts,
-    dead_lettered,
-    stale_rejections,
-    deadlocks,
-    lock_waits,
-    lease_losses,
-    reconcile_mismatches,
-) = (
-    meter.create_counter(name, unit=unit, description=description)
-    for name, unit, description in [
-        ("dedup.messages.processed", "{message}", "messages applied once"),
-        ("dedup.messages.duplicates", "{message}", "redelivered copies suppressed"),
-        ("dedup.messages.conflicts", "{message}", "same key, different payload"),
-        ("dedup.messages.dead_lettered", "{message}", "messages dead-lettered"),
-        ("dedup.stale_rejections", "{batch}", "writes refused by a fencing token"),
-        (
-            "dedup.deadlocks",
-            "{batch}",
-            "batches that deadlocked with another lane and ran again alone",
-        ),
-        (
-            "dedup.lock_waits",
-            "{batch}",
-            "batches that waited past the lanes' lock wait for a row lock and ran again alone",
-        ),
-        ("dedup.lease.losses", "{lease}", "leases lost by their holder"),
-        ("dedup.reconcile.mismatches", "{check}", "reconciliation mismatches"),
-    ]
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dedup-kafka")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+VERSION = _version()
+tracer = trace.get_tracer(INSTRUMENTATION, VERSION, schema_url=semconv.SCHEMA_URL)
+meter = metrics.get_meter(INSTRUMENTATION, VERSION, schema_url=semconv.SCHEMA_URL)
+
+
+class Instrument(NamedTuple):
+    """One metric dedup emits (the rows of docs/reference/telemetry.md)."""
+
+    name: str
+    """The OpenTelemetry name."""
+    kind: str
+    """``counter``, ``histogram`` or ``gauge`` (observable)."""
+    unit: str
+    """UCUM unit, or a ``{count}`` annotation."""
+    description: str
+    """What it counts or measures."""
+
+
+INSTRUMENTS: list[Instrument] = []
+"""Every metric dedup emits, in the order they are made."""
+
+
+def _counter(name: str, unit: str, description: str) -> metrics.Counter:
+    INSTRUMENTS.append(Instrument(name, "counter", unit, description))
+    return meter.create_counter(name, unit=unit, description=description)
+
+
+def _histogram(
+    name: str, unit: str, description: str, buckets: Sequence[float] = semconv.DURATION_BUCKETS
+) -> metrics.Histogram:
+    INSTRUMENTS.append(Instrument(name, "histogram", unit, description))
+    return meter.create_histogram(
+        name, unit=unit, description=description, explicit_bucket_boundaries_advisory=buckets
+    )
+
+
+# The conventions' own metrics.
+process_duration = _histogram(
+    "messaging.process.duration", "s", "time to process a batch of messages (one try)"
+)
+consumed = _counter(
+    "messaging.client.consumed.messages", "{message}", "messages handed to dedup by the client"
+)
+db_duration = _histogram(
+    "db.client.operation.duration", "s", "time of one statement dedup sent to Postgres"
+)
+# dedup's counters: what happened to messages, batches, leases and checks.
+processed = _counter("dedup.messages.processed", "{message}", "messages applied once")
+duplicates = _counter("dedup.messages.duplicates", "{message}", "redelivered copies suppressed")
+conflicts = _counter("dedup.messages.conflicts", "{message}", "same key, different payload")
+dead_lettered = _counter("dedup.messages.dead_lettered", "{message}", "messages dead-lettered")
+stale_rejections = _counter(
+    "dedup.stale_rejections", "{batch}", "writes refused by a fencing token"
+)
+deadlocks = _counter(
+    "dedup.deadlocks", "{batch}", "batches that deadlocked with another lane and ran again alone"
+)
+lock_waits = _counter(
+    "dedup.lock_waits",
+    "{batch}",
+    "batches that waited past the lanes' lock wait for a row lock and ran again alone",
+)
+retries = _counter(
+    "dedup.retries", "{retry}", "batches, messages and partition takeovers tried again"
+)
+
+
+def counting(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Start a partition's counters at 0 and return their ``attributes``.
+
+    A counter that was never added to is no series at all in Prometheus, so a
+    dashboard's deadlock panel would show "no data" instead of 0.
+    """
+    for counter in (stale_rejections, deadlocks, lock_waits, retries):
+        counter.add(0, attributes)
+    return attributes
+
+
+lease_losses = _counter("dedup.lease.losses", "{lease}", "leases lost by their holder")
+reconcile_mismatches = _counter(
+    "dedup.reconcile.mismatches", "{check}", "reconciliation mismatches"
 )
 # Histograms: how big, how long, how late.
-batch_size, transaction_duration, end_to_end_lag = (
-    meter.create_histogram(name, unit=unit, description=description)
-    for name, unit, description in [
-        ("dedup.batch.size", "{message}", "messages per transaction"),
-        ("dedup.transaction.duration", "s", "time of one batch transaction"),
-        ("dedup.message.lag", "s", "from the record's timestamp to its commit"),
-    ]
+batch_size = _histogram(
+    "dedup.batch.size", "{message}", "messages per transaction", buckets=semconv.SIZE_BUCKETS
 )
-faults = meter.create_counter(
+transaction_duration = _histogram(
+    "dedup.transaction.duration", "s", "time of one batch transaction, COMMIT included"
+)
+end_to_end_lag = _histogram("dedup.message.lag", "s", "from the record's timestamp to its commit")
+faults = _counter(
     "dedup.telemetry.faults",
-    unit="{fault}",
-    description="telemetry not recorded (a bad trace header, an SDK error); messages went on",
+    "{fault}",
+    "telemetry not recorded (a bad trace header, an SDK error); messages went on",
+)
+
+
+class Positions(Protocol):
+    """What the consumer's partitions tell the observable gauges (``dedup._partitions``)."""
+
+    def lag(self) -> Iterable[tuple[int, Mapping[str, Any]]]:
+        """Per partition: the log-end offset minus the offset stored in Postgres."""
+
+    def oldest_unapplied(self, now: float) -> Iterable[tuple[float, Mapping[str, Any]]]:
+        """Per partition: seconds since the timestamp of the oldest record fetched, not applied."""
+
+
+_watched: weakref.WeakSet[Positions] = weakref.WeakSet()
+
+
+def watch(positions: Positions) -> None:
+    """Report ``positions`` on the lag gauges until :func:`unwatch` (or until it is gone)."""
+    _watched.add(positions)
+
+
+def unwatch(positions: Positions) -> None:
+    """Stop reporting ``positions``."""
+    _watched.discard(positions)
+
+
+def _observe_lag(_: metrics.CallbackOptions) -> Iterator[metrics.Observation]:
+    # The SDK calls this on its reader's thread: read, never wait, never raise.
+    try:
+        for positions in list(_watched):
+            for value, attributes in positions.lag():
+                yield metrics.Observation(value, attributes)
+    except Exception as exc:
+        fault("metric", f"dedup.consumer.lag not observed: {exc!r}", exc)
+
+
+def _observe_age(_: metrics.CallbackOptions) -> Iterator[metrics.Observation]:
+    try:
+        now = time.time()
+        for positions in list(_watched):
+            for value, attributes in positions.oldest_unapplied(now):
+                yield metrics.Observation(value, attributes)
+    except Exception as exc:
+        fault("metric", f"dedup.consumer.oldest_unapplied.age not observed: {exc!r}", exc)
+
+
+def _gauge(
+    name: str,
+    unit: str,
+    description: str,
+    callback: Callable[[metrics.CallbackOptions], Iterable[metrics.Observation]],
+) -> metrics.ObservableGauge:
+    INSTRUMENTS.append(Instrument(name, "gauge", unit, description))
+    return meter.create_observable_gauge(
+        name, callbacks=[callback], unit=unit, description=description
+    )
+
+
+consumer_lag = _gauge(
+    "dedup.consumer.lag",
+    "{message}",
+    "per partition: the log-end offset minus the offset stored in Postgres",
+    _observe_lag,
+)
+oldest_unapplied_age = _gauge(
+    "dedup.consumer.oldest_unapplied.age",
+    "s",
+    "per partition: age of the oldest record fetched and not yet committed (0: none)",
+    _observe_age,
 )
 
 _logged_faults: set[str] = set()
@@ -131,7 +264,20 @@ def consumer_span(
     name: str, attributes: Mapping[str, Any], links: Sequence[trace.Link] = ()
 ) -> Iterator[trace.Span]:
     """A CONSUMER span made current for the block; an SDK that fails leaves no span."""
-    with _ending(_start(name, trace.SpanKind.CONSUMER, attributes, links)) as span:
+    with _current(start(name, trace.SpanKind.CONSUMER, attributes, links)) as span:
+        yield span
+
+
+@contextlib.contextmanager
+def internal_span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Span]:
+    """An INTERNAL span made current for the block (dedup's own work, such as its transaction)."""
+    with _current(start(name, trace.SpanKind.INTERNAL, attributes)) as span:
+        yield span
+
+
+@contextlib.contextmanager
+def _current(span: trace.Span) -> Iterator[trace.Span]:
+    with _ending(span):
         token = context.attach(trace.set_span_in_context(span))
         try:
             yield span
@@ -139,16 +285,19 @@ def consumer_span(
             context.detach(token)
 
 
-@contextlib.contextmanager
-def client_span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Span]:
-    """A CLIENT span for database work, child of the current span but not made current.
+def record(instrument: metrics.Histogram, value: float, attributes: Mapping[str, Any]) -> None:
+    """Record a histogram point; an SDK that fails is a fault, not an error."""
+    try:
+        instrument.record(value, attributes)
+    except Exception as exc:
+        fault("metric", f"a histogram point not recorded: {exc!r}", exc)
 
-    Transitions recorded meanwhile stay on the span the caller is in (the
-    ``process <topic>`` span), where a reader of the trace looks for them.
-    """
-    attributes = {"db.system.name": "postgresql", **attributes}
-    with _ending(_start(name, trace.SpanKind.CLIENT, attributes)) as span:
-        yield span
+
+def set_attribute(span: trace.Span, key: str, value: Any) -> None:
+    try:
+        span.set_attribute(key, value)
+    except Exception as exc:
+        fault("span", f"attribute {key} not set: {exc!r}", exc)
 
 
 @contextlib.contextmanager
@@ -157,34 +306,40 @@ def _ending(span: trace.Span) -> Iterator[trace.Span]:
     try:
         yield span
     except BaseException as exc:
-        _record_error(span, exc)
+        record_error(span, exc)
         raise
     finally:
-        _end(span)
+        end(span)
 
 
-def _start(
+def start(
     name: str,
     kind: trace.SpanKind,
     attributes: Mapping[str, Any],
     links: Sequence[trace.Link] = (),
 ) -> trace.Span:
     try:
+        if semconv.DUPLICATED:
+            attributes = semconv.with_old_names(attributes)
         return tracer.start_span(name, kind=kind, attributes=attributes, links=links)
     except Exception as exc:
         fault("span", f"span {name!r} not started: {exc!r}", exc)
         return trace.INVALID_SPAN
 
 
-def _record_error(span: trace.Span, exc: BaseException) -> None:
+def record_error(span: trace.Span, exc: BaseException) -> None:
     try:
+        if not span.is_recording():
+            return
+        kind = semconv.error_type(exc)
+        span.set_attribute("error.type", kind)
         span.record_exception(exc)
         span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
     except Exception as failed:
         fault("span", f"error not recorded on a span: {failed!r}", failed)
 
 
-def _end(span: trace.Span) -> None:
+def end(span: trace.Span) -> None:
     try:
         span.end()
     except Exception as exc:
@@ -255,6 +410,8 @@ def _link(headers: Headers, fields: set[str]) -> trace.Link | None:
     if not carrier:
         return None
     span_context = trace.get_current_span(propagate.extract(carrier)).get_span_context()
+    # The span context carries the producer's tracestate (vendor data a backend may
+    # need to follow the link); it goes on the link as it came.
     return trace.Link(span_context) if span_context.is_valid else None
 
 

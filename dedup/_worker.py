@@ -109,6 +109,9 @@ class PartitionWorker:
         self._more = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._oldest_in_flight: int | None = None  # a timestamp (ms), for the age gauge
+        self._counted = telemetry.counting(batch.counted(settings, tp.topic))
+        self._consumed = batch.consumed(settings, tp)
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -131,6 +134,7 @@ class PartitionWorker:
         floor = self.expected if self.expected is not None else -1
         self._records.extend(r for r in records if r.offset >= floor)
         self._more.set()
+        telemetry.consumed.add(len(records), self._consumed)
 
     @property
     def closing(self) -> bool:
@@ -170,6 +174,12 @@ class PartitionWorker:
         """Take no further batch; the one in flight goes on (the consumer bounds how long)."""
         self._closing.set()
         self._more.set()
+
+    def oldest_unapplied(self) -> int | None:
+        """Timestamp (ms) of the oldest record fed, not committed (None: none); reads only."""
+        first = next(iter(self._records), None)  # one step: safe from the reader's thread
+        fed = int(first.timestamp) if first is not None else None
+        return fed if self._oldest_in_flight is None else self._oldest_in_flight
 
     @property
     def in_flight_range(self) -> str:
@@ -213,10 +223,12 @@ class PartitionWorker:
         if not keyed and not dead:
             return True
         self.in_flight = [m.offset for m in keyed] + [d.msg.offset for d in dead]
+        self._oldest_in_flight = int(records[0].timestamp)
         try:
             return await self._apply_retrying(keyed, dead)
         finally:
             self.in_flight = []
+            self._oldest_in_flight = None
 
     async def _apply_retrying(self, msgs: Msgs, dead: Dead) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
@@ -249,13 +261,14 @@ class PartitionWorker:
                 if not db.is_retriable(exc):
                     raise
                 self._stats["retries"] += 1
+                telemetry.retries.add(1, self._counted)
                 if lanes.contended(exc, shared):
                     # Run it again with no other lane's transaction open: it
                     # cannot deadlock then, so a hot-row batch costs one retry.
                     deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
                     self._stats["deadlocks" if deadlock else "lock_waits"] += 1
                     metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
-                    metric.add(1, {"messaging.destination.name": self.tp.topic})
+                    metric.add(1, self._counted)
                     self._lanes.deadlocked()
                     alone = True
                     log.info(
@@ -335,6 +348,7 @@ class PartitionWorker:
         msg = msgs[0]
         for attempt in range(2, self._s.max_attempts + 1):
             self._stats["retries"] += 1
+            telemetry.retries.add(1, self._counted)
             telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": attempt})
             await self._sleep(min(0.05 * 2**attempt, MAX_BACKOFF))
             failure = await self._try_transaction(lane, [msg], dead)
@@ -394,7 +408,7 @@ class PartitionWorker:
         """A newer owner holds the partition: record it and stop."""
         self.lost = exc
         self._stats["stale"] += 1
-        telemetry.stale_rejections.add(1, {"messaging.destination.name": self.tp.topic})
+        telemetry.stale_rejections.add(1, self._counted)
         log.warning("consumer %s: %s", self._s.holder, exc)
         try:
             with telemetry.tracer.start_as_current_span(

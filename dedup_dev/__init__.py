@@ -7,4 +7,5 @@ One place for what they all need (neither wheel includes it):
 ``kafka``     topics made and deleted, records produced, offsets read
 ``children``  child processes that announce themselves with lines on stdout
 ``effects``   the ``effects`` business table, its handlers and the consumer builder
+``dashboard`` the Grafana dashboard's panels drawn with matplotlib from a Prometheus
 """

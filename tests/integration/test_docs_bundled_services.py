@@ -88,14 +88,16 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
     async def sh(command: str) -> tuple[int, str, str]:
         return await service_support.run(command, env=env, via_shell=True)
 
-    def service(command: str) -> Any:
+    def service(command: str, *, sdk_defaults: bool = False) -> Any:
         # Leading VAR=value words go to the environment, as the shell would put
         # them; exec, so that signals reach dedup itself rather than the shell.
         words = command.split()
         assignments = list(itertools.takewhile(lambda w: re.match(r"^[A-Z_]+=", w), words))
         extra = dict(w.split("=", 1) for w in assignments)
         rest = " ".join(words[len(assignments) :])
-        return service_support.child(f"exec {rest}", env={**env, **extra}, via_shell=True)
+        # The telemetry commands run with the SDK's defaults, as on the reader's machine.
+        base = {k: v for k, v in env.items() if not (sdk_defaults and k.startswith("OTEL_"))}
+        return service_support.child(f"exec {rest}", env={**base, **extra}, via_shell=True)
 
     # Topics, with Kafka's own tool: the page's names become the test's.
     assert [f"--topic {name}" in topic_commands for name in SERVICES] == [True] * 3
@@ -204,7 +206,7 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
     ]
 
     # telemetry: spans on stdout, then to an OTLP collector.
-    async with service(text[17]) as traced:
+    async with service(text[17], sdk_defaults=True) as traced:
         await service_support.produce_events(
             bootstrap_servers, env["COUPONS_TOPIC"], [{**first, "request_id": "r3"}], "user_id"
         )
@@ -218,7 +220,7 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
     collector = Collector()
     port = await collector.start()
     assert "http://127.0.0.1:4318" in text[18]
-    async with service(text[18].replace(":4318", f":{port}")) as exported:
+    async with service(text[18].replace(":4318", f":{port}"), sdk_defaults=True) as exported:
         await service_support.produce_events(
             bootstrap_servers, env["COUPONS_TOPIC"], [{**first, "request_id": "r4"}], "user_id"
         )

@@ -6,6 +6,7 @@ second fresh message, a conflicting copy of it and a poison message.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -19,7 +20,7 @@ import dedup
 from dedup import _telemetry as telemetry
 from dedup_dev import effects as support
 from tests import helpers
-from tests.conftest import Topics
+from tests.conftest import ROOT, Topics
 
 
 def counter_totals(reader: InMemoryMetricReader) -> Counter[str]:
@@ -46,7 +47,7 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
     await pool.execute(support.EFFECTS)
     before = counter_totals(metric_reader)
     with telemetry.tracer.start_as_current_span("checkout", kind=trace.SpanKind.PRODUCER) as up:
-        headers = telemetry.inject_headers()
+        headers = [*telemetry.inject_headers(), ("tracestate", b"vendor=v1")]
         producer_trace = up.get_span_context().trace_id
     first = orjson.dumps({"id": "t1", "amount": 1})
     await helpers.produce(bootstrap_servers, topic, [(b"t1", first)], headers=headers)
@@ -63,6 +64,10 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
     consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
     async with support.running(consumer):
         await helpers.wait_for(lambda: _handled(consumer, 5), what="5 messages")
+        # Everything fetched is applied: no lag, nothing waiting.
+        gauges = gauge_values(metric_reader, topic)
+        assert gauges["dedup.consumer.lag"] == 0
+        assert gauges["dedup.consumer.oldest_unapplied.age"] == 0
 
     finished = spans.get_finished_spans()
     process = [s for s in finished if s.name == f"process {topic}"]
@@ -74,14 +79,43 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
         assert attrs["messaging.destination.partition.id"] == "0"
         assert attrs["messaging.consumer.group.name"] == f"g-{topic}"
         assert attrs["messaging.operation.type"] == "process"
-        assert isinstance(attrs["messaging.kafka.offset"], int)
-    assert sum(s.attributes["messaging.batch.message_count"] for s in process) == 5  # type: ignore[index,misc]
+        # Single-message spans have an offset, batch spans a count: never both.
+        assert ("messaging.kafka.offset" in attrs) != ("messaging.batch.message_count" in attrs)
+    assert sum(int(s.attributes.get("messaging.batch.message_count", 1)) for s in process) == 5  # type: ignore[union-attr]
 
-    # The producer's trace is linked from the batch that carried its message.
+    # The producer's trace is linked from the batch that carried its message, tracestate kept.
     linked = [link for s in process for link in s.links]
     assert [link.context.trace_id for link in linked] == [producer_trace]
+    assert dict(linked[0].context.trace_state) == {"vendor": "v1"}
 
-    events = {e.name: e for s in process for e in s.events}
+    # dedup's transaction is an INTERNAL span under each process span; its
+    # statements CLIENT spans under it, BEGIN to COMMIT.
+    process_ids = {s.context.span_id for s in process}
+    transactions = [s for s in finished if s.name == "dedup transaction"]
+    assert transactions and all(s.kind is trace.SpanKind.INTERNAL for s in transactions)
+    assert all(s.parent is not None and s.parent.span_id in process_ids for s in transactions)
+    transaction_ids = {s.context.span_id for s in transactions}
+    db_spans = [
+        s
+        for s in finished
+        if s.kind is trace.SpanKind.CLIENT and s.parent and s.parent.span_id in transaction_ids
+    ]
+    names = [s.name for s in db_spans]
+    assert names[0] == "BEGIN" and names[-1] == "COMMIT"
+    assert "UPDATE dedup.partitions INSERT dedup.processed" in names
+    database = await pool.fetchval("SELECT current_database()")
+    for span in db_spans:
+        attrs = span.attributes or {}
+        assert attrs["db.system.name"] == "postgresql"
+        assert attrs["db.namespace"] == f"{database}|dedup"
+        assert attrs["db.query.summary"] == span.name
+        assert attrs["server.address"] and isinstance(attrs["server.port"], int)
+        assert attrs["db.operation.name"] == span.name.split()[0]
+
+    # Every span and metric emitted is in the reference, with its kind and attributes.
+    check_reference(finished, metric_reader)
+
+    events = {e.name: e for s in transactions for e in s.events}
     assert {
         "dedup.claimed",
         "dedup.applied",
@@ -96,21 +130,13 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
     assert duplicate["dedup.token"] == 1
     reasons = [
         str((e.attributes or {})["dedup.reason"])
-        for s in process
+        for s in transactions
         for e in s.events
         if e.name == "dedup.dead_lettered"
     ]
     assert len(reasons) == 2
     assert any("invalid JSON" in r for r in reasons)
     assert any(r.startswith("conflict: key 't2'") for r in reasons)
-
-    # Postgres work is a CLIENT span under each process span.
-    db_spans = [s for s in finished if s.kind is trace.SpanKind.CLIENT]
-    assert db_spans and all(
-        (s.attributes or {})["db.system.name"] == "postgresql" for s in db_spans
-    )
-    process_ids = {s.context.span_id for s in process}
-    assert all(s.parent is not None and s.parent.span_id in process_ids for s in db_spans)
 
     assign = [s for s in finished if s.name == "dedup assign"]
     acquired = [e for s in assign for e in s.events if e.name == "dedup.partition_acquired"]
@@ -129,6 +155,86 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
     assert delta["dedup.messages.conflicts"] == 1
     assert delta["dedup.messages.dead_lettered"] == 2  # the conflict and the poison
     assert delta["dedup.batch.size"] >= 1  # histogram: count of batches recorded
+    messaging = {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": f"g-{topic}",
+        "messaging.destination.name": topic,
+    }
+    assert point_total(metric_reader, "dedup.messages.processed", messaging) == 2
+    assert point_total(metric_reader, "messaging.client.consumed.messages", messaging) == 5
+    assert point_total(metric_reader, "messaging.process.duration", messaging) >= 1
+
+
+def points(reader: InMemoryMetricReader) -> list[tuple[str, str, Any]]:
+    """Every data point the SDK holds: (metric name, kind, point)."""
+    data = reader.get_metrics_data()
+    return [
+        (metric.name, type(metric.data).__name__, point)
+        for resource in (data.resource_metrics if data else [])
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        for point in metric.data.data_points
+    ]
+
+
+def point_total(reader: InMemoryMetricReader, name: str, attrs: dict[str, Any]) -> float:
+    """The sum (or count) of ``name``'s points whose attributes include ``attrs``."""
+    return sum(
+        getattr(point, "value", getattr(point, "count", 0))
+        for metric, _, point in points(reader)
+        if metric == name and attrs.items() <= dict(point.attributes or {}).items()
+    )
+
+
+def gauge_values(reader: InMemoryMetricReader, topic: str) -> dict[str, float]:
+    return {
+        name: point.value
+        for name, kind, point in points(reader)
+        if kind == "Gauge" and (point.attributes or {}).get("messaging.destination.name") == topic
+    }
+
+
+REFERENCE = ROOT / "docs" / "reference" / "telemetry.md"
+KINDS = {"Sum": "counter", "Histogram": "histogram", "Gauge": "gauge"}
+
+
+def reference(section: str) -> dict[str, tuple[str, set[str]]]:
+    """The reference's table: name -> (kind, attribute names)."""
+    text = REFERENCE.read_text(encoding="utf-8")
+    table = text.split(f"<!-- {section}:begin -->")[1].split(f"<!-- {section}:end -->")[0]
+    found = {}
+    for line in table.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = cells[0].strip("`")
+        kind = cells[1]
+        attrs = cells[2] if section == "spans" else cells[3]
+        found[name] = (kind, set(re.findall(r"`([a-z_.]+)`", attrs)))
+    return found
+
+
+def check_reference(finished: Any, reader: InMemoryMetricReader) -> None:
+    spans = reference("spans")
+    for span in finished:
+        scope = span.instrumentation_scope
+        if scope is None or scope.name != "dedup" or span.kind is trace.SpanKind.PRODUCER:
+            continue  # the test's own producer span is made with dedup's tracer
+        if span.kind is trace.SpanKind.CLIENT:
+            name = "{db.query.summary}"
+        else:
+            name = re.sub(r"^(process|task|reconcile) .*", r"\1 {\1}", span.name)
+            name = name.replace("{process}", "{topic}").replace("{reconcile}", "{task}")
+        assert name in spans, f"span {span.name!r} is not in {REFERENCE.name}"
+        kind, attrs = spans[name]
+        assert span.kind.name == kind, span.name
+        assert set(span.attributes or {}) <= attrs, (span.name, set(span.attributes) - attrs)
+    metrics = reference("metrics")
+    for name, kind, point in points(reader):
+        if not name.startswith(("dedup.", "messaging.", "db.")):
+            continue
+        assert name in metrics, f"metric {name!r} is not in {REFERENCE.name}"
+        documented, attrs = metrics[name]
+        assert KINDS[kind] == documented, name
+        assert set(point.attributes or {}) <= attrs, (name, set(point.attributes) - attrs)
 
 
 async def _handled(consumer: dedup.IdempotentConsumer, n: int) -> bool:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import dedup
+from dedup import _semconv as semconv
+from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
 
@@ -63,7 +70,7 @@ def test_a_tracer_that_raises_leaves_the_work_and_its_errors_alone(monkeypatch: 
     with telemetry.consumer_span("process t", {}) as span:
         ran.append(span.is_recording())
     assert ran == [False]
-    with pytest.raises(KeyError), telemetry.client_span("BATCH", {}):
+    with pytest.raises(KeyError), telemetry.internal_span("dedup transaction", {}):
         raise KeyError("the handler's own error")
 
 
@@ -77,3 +84,87 @@ def test_the_key_attribute_is_utf8_text_cut_to_its_cap() -> None:
     assert telemetry.key_attribute(b"a" + "€".encode() * 600) == "a" + "€" * (cap - 1)
     assert telemetry.key_attribute(b"b" * 2000 + b"\xff") == "b" * cap
     assert telemetry.key_attribute(b"ok\xe2\x82") is None  # a short key cut mid-character
+
+
+REFERENCE = Path(__file__).parents[2] / "docs" / "reference" / "telemetry.md"
+
+
+def reference_rows(section: str) -> list[list[str]]:
+    """The cells of the table between ``<!-- section:begin -->`` and ``<!-- section:end -->``."""
+    text = REFERENCE.read_text(encoding="utf-8")
+    table = text.split(f"<!-- {section}:begin -->")[1].split(f"<!-- {section}:end -->")[0]
+    lines = [line for line in table.strip().splitlines()[2:]]
+    return [
+        [cell.strip().replace("`", "") for cell in line.strip("|").split("|")] for line in lines
+    ]
+
+
+def test_the_reference_lists_every_metric_the_library_makes_as_made() -> None:
+    documented = [(r[0], r[1], r[2], r[4]) for r in reference_rows("metrics")]
+    made = [(i.name, i.kind, i.unit, i.description) for i in telemetry.INSTRUMENTS]
+    assert documented == made
+
+
+def test_transaction_durations_from_2ms_to_2s_spread_over_many_buckets(
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    attrs = {"dedup.namespace": "buckets-test"}
+    for seconds in (0.002, 0.004, 0.015, 0.04, 0.12, 0.3, 0.8, 2.0):
+        telemetry.transaction_duration.record(seconds, attrs)
+    data = metric_reader.get_metrics_data()
+    assert data is not None
+    [point] = [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "dedup.transaction.duration"
+        for p in m.data.data_points
+        if dict(p.attributes or {}) == attrs
+    ]
+    assert list(point.explicit_bounds) == list(semconv.DURATION_BUCKETS)
+    assert sum(1 for n in point.bucket_counts if n) >= 5
+
+
+def test_the_tracer_and_meter_carry_the_version_and_schema_url(
+    spans: InMemorySpanExporter,
+) -> None:
+    with telemetry.internal_span("dedup test", {}):
+        pass
+    [span] = [s for s in spans.get_finished_spans() if s.name == "dedup test"]
+    scope = span.instrumentation_scope
+    assert scope is not None
+    assert (scope.name, scope.version) == ("dedup", dedup.__version__)
+    assert scope.schema_url == "https://opentelemetry.io/schemas/1.44.0"
+
+
+def test_links_keep_the_producers_tracestate() -> None:
+    link = telemetry.extract_link([traceparent(3), ("tracestate", b"vendor=abc,other=1")])
+    assert link is not None
+    assert dict(link.context.trace_state) == {"vendor": "abc", "other": "1"}
+
+
+def test_stability_opt_in_is_read_as_the_instrumentations_read_it() -> None:
+    assert semconv.duplicated_domains(None) == frozenset()
+    assert semconv.duplicated_domains("database,messaging") == frozenset()
+    assert semconv.duplicated_domains("http/dup, database/dup,database") == {"database"}
+    attrs = {"db.system.name": "postgresql", "messaging.destination.partition.id": "3"}
+    assert semconv.with_old_names(attrs, ["database", "messaging"]) == {
+        **attrs,
+        "db.system": "postgresql",
+        "messaging.kafka.destination.partition": 3,
+    }
+
+
+def test_statements_are_summarized_by_operation_and_table() -> None:
+    queries = sql.Queries("tenant")
+    assert queries.fence_and_claim.operation == "UPDATE"
+    assert queries.fence_and_claim.summary == "UPDATE tenant.partitions INSERT tenant.processed"
+    assert queries.record_events.summary == "INSERT tenant.events"
+    assert queries.serialize_group.summary == "SELECT"
+
+
+def test_error_type_is_the_sqlstate_or_the_class_name() -> None:
+    assert semconv.error_type(asyncpg.DeadlockDetectedError("x")) == "40P01"
+    assert semconv.error_type(TimeoutError()) == "TimeoutError"
+    assert semconv.error_type(dedup.StaleTokenError("g:t:0", 3)) == "dedup.StaleTokenError"
