@@ -143,6 +143,35 @@ def consumer_options(p: argparse.ArgumentParser, name: str) -> None:
         help="tries of a failing message before it is dead-lettered",
     )
     group.add_argument("--holder", help="this instance's name in leases and events")
+    option(
+        group,
+        "--client-id",
+        env=f"{prefix}_CLIENT_ID",
+        help="this instance's client id in Kafka's group tools (default: the holder)",
+    )
+    security = p.add_argument_group("secured Kafka (aiokafka's settings of the same names)")
+    for setting, what in KAFKA_SECURITY.items():
+        option(
+            security, "--" + setting.replace("_", "-"), env=f"KAFKA_{setting.upper()}", help=what
+        )
+
+
+KAFKA_SECURITY = {
+    "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+    "sasl_mechanism": "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+    "sasl_plain_username": "the SASL user",
+    "sasl_plain_password": "the SASL password; prefer the variable (a flag shows in ps)",
+    "ssl_cafile": "the CA certificate(s) that signed the brokers' certificates (PEM)",
+    "ssl_certfile": "this client's certificate, for brokers that ask for one (PEM)",
+    "ssl_keyfile": "this client's private key (PEM)",
+}
+"""The Kafka security settings every service takes, as dedup.IdempotentConsumer does."""
+
+
+def kafka_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The client id and security settings given to a service, for dedup.IdempotentConsumer."""
+    names = ["client_id", *KAFKA_SECURITY]
+    return {name: getattr(args, name) for name in names if getattr(args, name, None)}
 
 
 async def migrate(
@@ -330,6 +359,7 @@ class ConsumerService:
                 batch_size=args.batch_size,
                 max_attempts=args.max_attempts,
                 holder=args.holder,
+                **kafka_settings(args),
             )
             log.info("%s: consuming %s as group %s", self.name, args.topic, args.group)
             await consumer.run()

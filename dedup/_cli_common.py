@@ -20,6 +20,7 @@ import asyncpg
 
 from dedup import _db as db
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _migrations as migrations
 from dedup import _report as report
 from dedup import _sql as sql
@@ -165,13 +166,40 @@ def add_window(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--until", type=TIME, help=f"{what} before (same forms as --since)")
 
 
-def add_kafka(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--bootstrap-servers``, defaulting to ``$KAFKA_BOOTSTRAP_SERVERS``."""
+def add_kafka(parser: argparse.ArgumentParser, help: str, *, secured: bool = False) -> None:
+    """``--bootstrap-servers``, defaulting to ``$KAFKA_BOOTSTRAP_SERVERS``; with ``secured``,
+    the security settings too (``--security-protocol``..., each defaulting to its variable)."""
     parser.add_argument(
         "--bootstrap-servers",
         default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
         help=f"{help} (default: $KAFKA_BOOTSTRAP_SERVERS)",
     )
+    if not secured:
+        return
+    for setting, what in SECURITY_HELP.items():
+        parser.add_argument(
+            kafka_client.flag(setting),
+            dest=setting,
+            default=os.environ.get(kafka_client.variable(setting)) or None,
+            help=f"{what} (default: ${kafka_client.variable(setting)})",
+        )
+
+
+SECURITY_HELP = {
+    "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+    "sasl_mechanism": "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+    "sasl_plain_username": "the SASL user",
+    "sasl_plain_password": "the SASL password; prefer the variable (a flag shows in ps)",
+    "ssl_cafile": "the CA certificate(s) that signed the brokers' certificates (PEM)",
+    "ssl_certfile": "this client's certificate, for brokers that ask for one (PEM)",
+    "ssl_keyfile": "this client's private key (PEM)",
+}
+"""The Kafka security settings of the command line, by aiokafka's names."""
+
+
+def kafka_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The security settings given to a command (see :func:`add_kafka`)."""
+    return {name: getattr(args, name) for name in SECURITY_HELP if getattr(args, name, None)}
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
