@@ -150,28 +150,13 @@ def consumer_options(p: argparse.ArgumentParser, name: str) -> None:
         help="this instance's client id in Kafka's group tools (default: the holder)",
     )
     security = p.add_argument_group("secured Kafka (aiokafka's settings of the same names)")
-    for setting, what in KAFKA_SECURITY.items():
-        option(
-            security, "--" + setting.replace("_", "-"), env=f"KAFKA_{setting.upper()}", help=what
-        )
-
-
-KAFKA_SECURITY = {
-    "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
-    "sasl_mechanism": "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
-    "sasl_plain_username": "the SASL user",
-    "sasl_plain_password": "the SASL password; prefer the variable (a flag shows in ps)",
-    "ssl_cafile": "the CA certificate(s) that signed the brokers' certificates (PEM)",
-    "ssl_certfile": "this client's certificate, for brokers that ask for one (PEM)",
-    "ssl_keyfile": "this client's private key (PEM)",
-}
-"""The Kafka security settings every service takes, as dedup.IdempotentConsumer does."""
+    dedup.add_kafka_options(security)
 
 
 def kafka_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The client id and security settings given to a service, for dedup.IdempotentConsumer."""
-    names = ["client_id", *KAFKA_SECURITY]
-    return {name: getattr(args, name) for name in names if getattr(args, name, None)}
+    client = {"client_id": args.client_id} if args.client_id else {}
+    return {**client, **dedup.kafka_options(args)}
 
 
 async def migrate(

@@ -17,6 +17,7 @@ from dedup import _audit as audit
 from dedup import _cli_common as common
 from dedup import _dead_letters as dead_letters
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _reconciliation as reconciliation
 from dedup import _retention as retention
 
@@ -94,7 +95,7 @@ async def _dead_letters_replay(args: argparse.Namespace) -> int:
             bootstrap_servers=args.bootstrap_servers,
             again=args.again,
             holder=args.holder,
-            kafka_options=common.kafka_options(args),
+            kafka_options=kafka_client.kafka_options(args),
         )
     return common.show(done, args, ok=not done.section("skipped").rows)
 

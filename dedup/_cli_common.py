@@ -176,30 +176,7 @@ def add_kafka(parser: argparse.ArgumentParser, help: str, *, secured: bool = Fal
     )
     if not secured:
         return
-    for setting, what in SECURITY_HELP.items():
-        parser.add_argument(
-            kafka_client.flag(setting),
-            dest=setting,
-            default=os.environ.get(kafka_client.variable(setting)) or None,
-            help=f"{what} (default: ${kafka_client.variable(setting)})",
-        )
-
-
-SECURITY_HELP = {
-    "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
-    "sasl_mechanism": "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
-    "sasl_plain_username": "the SASL user",
-    "sasl_plain_password": "the SASL password; prefer the variable (a flag shows in ps)",
-    "ssl_cafile": "the CA certificate(s) that signed the brokers' certificates (PEM)",
-    "ssl_certfile": "this client's certificate, for brokers that ask for one (PEM)",
-    "ssl_keyfile": "this client's private key (PEM)",
-}
-"""The Kafka security settings of the command line, by aiokafka's names."""
-
-
-def kafka_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The security settings given to a command (see :func:`add_kafka`)."""
-    return {name: getattr(args, name) for name in SECURITY_HELP if getattr(args, name, None)}
+    kafka_client.add_kafka_options(parser)
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:

@@ -13,6 +13,7 @@ setting to fix.  The password is never part of a message.
 
 from __future__ import annotations
 
+import argparse
 import os
 import ssl
 from collections.abc import Mapping, Sequence
@@ -24,16 +25,16 @@ from aiokafka import helpers
 
 from dedup import _errors as errors
 
-SETTINGS = (
-    "security_protocol",
-    "sasl_mechanism",
-    "sasl_plain_username",
-    "sasl_plain_password",
-    "ssl_cafile",
-    "ssl_certfile",
-    "ssl_keyfile",
-)
-"""The settings a secured cluster needs, by aiokafka's names."""
+SETTINGS: Mapping[str, str] = {
+    "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+    "sasl_mechanism": "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+    "sasl_plain_username": "the SASL user",
+    "sasl_plain_password": "the SASL password; prefer the variable (a flag shows in ps)",
+    "ssl_cafile": "the CA certificate(s) that signed the brokers' certificates (PEM)",
+    "ssl_certfile": "this client's certificate, for brokers that ask for one (PEM)",
+    "ssl_keyfile": "this client's private key (PEM)",
+}
+"""The settings a secured cluster needs, by aiokafka's names, with what each is."""
 FILE_SETTINGS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
 """Turned into aiokafka's ``ssl_context``: aiokafka itself takes no file names."""
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -57,6 +58,26 @@ def variable(setting: str) -> str:
 def flag(setting: str) -> str:
     """The command-line flag of a setting: ``--sasl-plain-password``."""
     return "--" + setting.replace("_", "-")
+
+
+def add_kafka_options(parser: argparse._ActionsContainer) -> None:
+    """Declare ``--security-protocol`` ... ``--ssl-keyfile`` on an argparse parser or group.
+
+    Each defaults to its ``KAFKA_<NAME>`` variable; :func:`kafka_options` collects them.
+    The ``dedup`` commands and the bundled services declare them this way.
+    """
+    for setting, what in SETTINGS.items():
+        parser.add_argument(
+            flag(setting),
+            dest=setting,
+            default=os.environ.get(variable(setting)) or None,
+            help=f"{what} (default: ${variable(setting)})",
+        )
+
+
+def kafka_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given to a parser of :func:`add_kafka_options` (unset ones left out)."""
+    return {name: getattr(args, name) for name in SETTINGS if getattr(args, name, None)}
 
 
 def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
