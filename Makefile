@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml consumers/pyproject.toml
 
 venv: $(STAMP)
 
+# The broker gets the SASL_SSL listener the secured-Kafka tests use (docs/reference/configuration.md).
 services:
-	compose/local/up
+	DEDUP_KAFKA_SASL_SSL=1 compose/local/up
 
 down:
 	compose/local/down

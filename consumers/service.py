@@ -143,6 +143,20 @@ def consumer_options(p: argparse.ArgumentParser, name: str) -> None:
         help="tries of a failing message before it is dead-lettered",
     )
     group.add_argument("--holder", help="this instance's name in leases and events")
+    option(
+        group,
+        "--client-id",
+        env=f"{prefix}_CLIENT_ID",
+        help="this instance's client id in Kafka's group tools (default: the holder)",
+    )
+    security = p.add_argument_group("secured Kafka (aiokafka's settings of the same names)")
+    dedup.add_kafka_options(security)
+
+
+def kafka_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The client id and security settings given to a service, for dedup.IdempotentConsumer."""
+    client = {"client_id": args.client_id} if args.client_id else {}
+    return {**client, **dedup.kafka_options(args)}
 
 
 async def migrate(
@@ -330,6 +344,7 @@ class ConsumerService:
                 batch_size=args.batch_size,
                 max_attempts=args.max_attempts,
                 holder=args.holder,
+                **kafka_settings(args),
             )
             log.info("%s: consuming %s as group %s", self.name, args.topic, args.group)
             await consumer.run()

@@ -22,6 +22,7 @@ from dedup._errors import (
     StaleTokenError,
     UndecodableBatchError,
 )
+from dedup._kafka_client import add_kafka_options, kafka_options
 from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
 from dedup._migrations import migrate
@@ -66,10 +67,12 @@ __all__ = [
     "TaskState",
     "Tx",
     "UndecodableBatchError",
+    "add_kafka_options",
     "claim",
     "create_pool",
     "default_holder",
     "fenced_upsert",
+    "kafka_options",
     "keys",
     "migrate",
     "reconcile",

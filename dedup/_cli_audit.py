@@ -17,6 +17,7 @@ from dedup import _audit as audit
 from dedup import _cli_common as common
 from dedup import _dead_letters as dead_letters
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _reconciliation as reconciliation
 from dedup import _retention as retention
 
@@ -94,6 +95,7 @@ async def _dead_letters_replay(args: argparse.Namespace) -> int:
             bootstrap_servers=args.bootstrap_servers,
             again=args.again,
             holder=args.holder,
+            kafka_options=kafka_client.kafka_options(args),
         )
     return common.show(done, args, ok=not done.section("skipped").rows)
 
@@ -202,7 +204,7 @@ def add_dead_letters(sub: Any) -> None:
 
     p = common.command(commands, "replay", _dead_letters_replay)
     p.add_argument("ids", metavar="ID", nargs="+", type=common.integer(1), help="dead letter ids")
-    common.add_kafka(p, "Kafka")
+    common.add_kafka(p, "Kafka", secured=True)
     p.add_argument("--again", action="store_true", help="also resend those replayed already")
     p.add_argument("--holder", help="who replays, for the events table (default: user@host)")
     common.add_output(p, limit=False)

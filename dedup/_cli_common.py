@@ -20,6 +20,7 @@ import asyncpg
 
 from dedup import _db as db
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _migrations as migrations
 from dedup import _report as report
 from dedup import _sql as sql
@@ -165,13 +166,17 @@ def add_window(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--until", type=TIME, help=f"{what} before (same forms as --since)")
 
 
-def add_kafka(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--bootstrap-servers``, defaulting to ``$KAFKA_BOOTSTRAP_SERVERS``."""
+def add_kafka(parser: argparse.ArgumentParser, help: str, *, secured: bool = False) -> None:
+    """``--bootstrap-servers``, defaulting to ``$KAFKA_BOOTSTRAP_SERVERS``; with ``secured``,
+    the security settings too (``--security-protocol``..., each defaulting to its variable)."""
     parser.add_argument(
         "--bootstrap-servers",
         default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
         help=f"{help} (default: $KAFKA_BOOTSTRAP_SERVERS)",
     )
+    if not secured:
+        return
+    kafka_client.add_kafka_options(parser)
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:

@@ -15,6 +15,7 @@ from typing import Any
 import aiokafka
 
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _message as message_
 from dedup import keys
 
@@ -26,10 +27,9 @@ DEFAULT_ISOLATION_LEVEL = "read_committed"
 DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
 """The ``idempotency-key`` header if present, else the Kafka record key."""
 
-_AIOKAFKA_OPTIONS = frozenset(inspect.signature(aiokafka.AIOKafkaConsumer.__init__).parameters) - {
-    "self",
-    "topics",
-}
+_AIOKAFKA_OPTIONS = (
+    frozenset(inspect.signature(aiokafka.AIOKafkaConsumer.__init__).parameters) - {"self", "topics"}
+) | frozenset(kafka_client.FILE_SETTINGS)
 _KEY_FACTORIES = {
     keys.header: "dedup.keys.header('name')",
     keys.json_field: "dedup.keys.json_field('field')",
@@ -48,8 +48,9 @@ class Config:
     group_id: str
     """The Kafka consumer group; also the namespace unless one is given."""
     bootstrap_servers: str | Sequence[str]
-    kafka_options: Mapping[str, Any]
-    """aiokafka's consumer options, as checked by :func:`kafka_options`."""
+    kafka_options: Mapping[str, Any] = dataclasses.field(repr=False)
+    """aiokafka's consumer options, as checked by :func:`kafka_options` (not in the repr:
+    it may hold a password)."""
     # Postgres
     schema: str
     """The schema of dedup's tables."""
@@ -105,6 +106,7 @@ def kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
             "enable_auto_commit=True: dedup stores offsets in Postgres; leave it off"
         )
     checked = {name: value for name, value in options.items() if name != "enable_auto_commit"}
+    kafka_client.client_options(checked)  # a bad protocol or a missing CA file fails here
     # Records of aborted transactions must never be applied: read only what
     # producers committed, unless the caller says otherwise.
     checked.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)

@@ -52,6 +52,7 @@ from dedup import _config as config
 from dedup import _db as db
 from dedup import _decoding as decoding
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _lanes as lanes
 from dedup import _leases as leases
 from dedup import _message as message_
@@ -136,11 +137,13 @@ class IdempotentConsumer:
         db.require_one(dsn, pool)
         config.check_handler(handler)
         missing_key, conflict = config.policies(on_missing_key, on_conflict)
+        holder = holder or leases.default_holder()
         self.config = config.Config(
             topics=topics,
             group_id=group_id,
             bootstrap_servers=bootstrap_servers,
-            kafka_options=config.kafka_options(options),
+            # The holder names this process in Kafka's group tools too.
+            kafka_options=config.kafka_options({"client_id": holder, **options}),
             schema=schema,
             pool_options=db.check_pool_options(pool_options, pool=pool),
             concurrency=concurrency,
@@ -152,7 +155,7 @@ class IdempotentConsumer:
             batch_size=batch_size,
             max_attempts=max_attempts,
             handler_timeout=handler_timeout,
-            holder=holder or leases.default_holder(),
+            holder=holder,
             install_signal_handlers=install_signal_handlers,
             shutdown_timeout=shutdown_timeout,
             kafka_commit_interval=kafka_commit_interval,
@@ -277,7 +280,7 @@ class IdempotentConsumer:
             bootstrap_servers=c.bootstrap_servers,
             group_id=c.group_id,
             enable_auto_commit=False,
-            **c.kafka_options,
+            **kafka_client.client_options(c.kafka_options),
         )
         self._partitions = partitions.Partitions(
             self._kafka,
@@ -323,8 +326,9 @@ class IdempotentConsumer:
         except aiokafka.errors.KafkaError as exc:
             await self._kafka.stop()
             self._kafka = None
-            raise errors.ServiceUnavailableError(
-                f"cannot reach Kafka at bootstrap_servers={c.bootstrap_servers!r}: {exc}"
+            options = kafka_client.client_options(c.kafka_options)
+            raise await kafka_client.unreachable(
+                c.bootstrap_servers, options, exc, what=f"consumer of group {c.group_id!r}"
             ) from exc
         missing = [t for t in c.topics if t not in present]
         if missing:

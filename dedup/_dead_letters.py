@@ -23,6 +23,7 @@ import asyncpg
 from dedup import _audit as audit
 from dedup import _errors as errors
 from dedup import _events as events
+from dedup import _kafka_client as kafka_client
 from dedup import _report as report
 from dedup import _sql as sql
 from dedup import _timespec as timespec
@@ -142,7 +143,10 @@ REPLAYED_COLUMNS = report.columns(
 SKIPPED_COLUMNS = report.columns("id, reason")
 
 
-async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:
+async def _start_producer(
+    bootstrap_servers: str, kafka_options: Mapping[str, Any]
+) -> aiokafka.AIOKafkaProducer:
+    options = kafka_client.client_options(kafka_options)
     # The dead letter stays locked in an open transaction while its record is
     # produced: the request timeout keeps that well under the server's
     # idle_in_transaction_session_timeout (dedup.db).
@@ -151,14 +155,14 @@ async def _start_producer(bootstrap_servers: str) -> aiokafka.AIOKafkaProducer:
         acks="all",
         enable_idempotence=True,
         request_timeout_ms=KAFKA_TIMEOUT_MS,
+        **options,
     )
     try:
         await producer.start()
     except aiokafka.errors.KafkaError as exc:
         await producer.stop()
-        raise errors.ServiceUnavailableError(
-            f"cannot reach Kafka at {bootstrap_servers} to replay: {exc}; "
-            "pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS"
+        raise await kafka_client.unreachable(
+            bootstrap_servers, options, exc, what="dead-letters replay"
         ) from exc
     return producer
 
@@ -252,13 +256,17 @@ async def replay(
     bootstrap_servers: str,
     again: bool = False,
     holder: str | None = None,
+    kafka_options: Mapping[str, Any] | None = None,
 ) -> report.Report:
     """Produce each dead letter's record to its topic again; mark it replayed.
+
+    ``kafka_options`` are the producer's security settings (aiokafka's names,
+    and ``ssl_cafile``...: dedup._kafka_client).
 
     The report's ``skipped`` section names the ids not replayed now and why
     (unknown id, replayed already).
     """
-    producer = await _start_producer(bootstrap_servers)
+    producer = await _start_producer(bootstrap_servers, kafka_options or {})
     replayed: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     try:

@@ -16,8 +16,10 @@ from dedup_dev import services
 class Topics:
     """Creates uniquely named topics for one test and deletes them afterwards."""
 
-    def __init__(self, bootstrap_servers: str) -> None:
+    def __init__(self, bootstrap_servers: str, **options: object) -> None:
         self.bootstrap_servers = bootstrap_servers
+        self.options = options
+        """More admin client options (a secured listener's)."""
         self.created: list[str] = []
 
     async def create(
@@ -25,7 +27,7 @@ class Topics:
     ) -> str:
         """A new topic ``<prefix>-<12 hex>`` with ``partitions``; its name."""
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **self.options)
         try:
             await admin.start()
         except Exception as exc:  # any failure here means "not reachable"
@@ -43,7 +45,7 @@ class Topics:
         """Delete every topic made here."""
         if not self.created:
             return
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **self.options)
         await admin.start()
         try:
             await admin.delete_topics(self.created)

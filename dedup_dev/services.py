@@ -35,6 +35,46 @@ class Services:
     """Postgres, a DSN for a role that may create databases."""
 
 
+@dataclass(frozen=True)
+class SecuredKafka:
+    """The SASL_SSL listener of a broker ``DEDUP_KAFKA_SASL_SSL=1 compose/local/up`` started."""
+
+    bootstrap_servers: str
+    cafile: str
+    """The throwaway CA that signed the broker's certificate."""
+    username: str
+    password: str
+
+    def settings(self, **changes: str) -> dict[str, str]:
+        """The client settings, by aiokafka's names (``ssl_cafile`` for the context)."""
+        return {
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_plain_username": self.username,
+            "sasl_plain_password": self.password,
+            "ssl_cafile": self.cafile,
+            **changes,
+        }
+
+    def environ(self, **changes: str) -> dict[str, str]:
+        """The same as ``KAFKA_<NAME>`` variables, with ``KAFKA_BOOTSTRAP_SERVERS``."""
+        named = {f"KAFKA_{k.upper()}": v for k, v in self.settings(**changes).items()}
+        return {"KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers, **named}
+
+
+def secured_kafka(env_file: Path) -> SecuredKafka | None:
+    """The SASL_SSL listener written to ``env_file`` by ``compose/local/up``, if any."""
+    found = read_env(env_file)
+    if not found.get("KAFKA_SASL_SSL_BOOTSTRAP_SERVERS"):
+        return None
+    return SecuredKafka(
+        found["KAFKA_SASL_SSL_BOOTSTRAP_SERVERS"],
+        found["KAFKA_SASL_SSL_CAFILE"],
+        found["KAFKA_SASL_SSL_USERNAME"],
+        found["KAFKA_SASL_SSL_PASSWORD"],
+    )
+
+
 def services_dir() -> Path:
     """The folder ``compose/local/up`` keeps its services in."""
     return Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")

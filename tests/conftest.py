@@ -167,6 +167,40 @@ def pgbouncer(services: Services) -> str:
     return dsn
 
 
+@pytest.fixture(scope="session")
+def secured_kafka(services: Services) -> Iterator[dedup_dev_services.SecuredKafka]:
+    """A SASL/SCRAM-SHA-512 over TLS listener: the local broker's when it has one, else a
+    broker of its own (``DEDUP_KAFKA_SASL_SSL=1 compose/local/up kafka`` in
+    ``.services/sasl-ssl``), stopped after the run if started here."""
+    found = dedup_dev_services.secured_kafka(dedup_dev_services.services_dir() / "env")
+    if found is not None:
+        yield found
+        return
+    own = dedup_dev_services.services_dir() / "sasl-ssl"
+    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    env.update(DEDUP_SERVICES_DIR=str(own), DEDUP_KAFKA_SASL_SSL="1")
+    was_running = subprocess.run(
+        [ROOT / "compose/local/status", "kafka"], env=env, capture_output=True, check=False
+    )
+    started = subprocess.run(
+        [ROOT / "compose/local/up", "kafka"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    secured = dedup_dev_services.secured_kafka(own / "env")
+    if started.returncode != 0 or secured is None:
+        pytest.fail(
+            f"`DEDUP_KAFKA_SASL_SSL=1 compose/local/up kafka` failed:\n{started.stderr}",
+            pytrace=False,
+        )
+    yield secured
+    if was_running.returncode != 0:
+        subprocess.run([ROOT / "compose/local/down", "kafka"], env=env, check=False)
+
+
 @pytest.fixture
 def pgbouncer_dsn(pgbouncer: str, dsn: str) -> str:
     """This test's database (the ``dsn`` fixture's, made on the server) through pgbouncer."""

@@ -1,0 +1,184 @@
+"""Secured Kafka end to end: the consumer, a bundled service and ``dedup dead-letters replay``
+through a SASL/SCRAM-SHA-512 over TLS listener, and the errors a wrong password or an
+untrusted certificate give (naming the listener and the setting, never the password).
+Also the consumer's default ``client_id``, as Kafka's own group tool shows it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+import dedup
+from dedup import _kafka_client as kafka_client
+from dedup_dev import effects as support
+from dedup_dev import kafka as kafka_support
+from dedup_dev.services import SecuredKafka
+from tests import helpers
+from tests.conftest import Topics
+from tests.support import kafka_tools
+from tests.support import service as service_support
+from tests.support.audit import add_dead_letter, json_out, run_cli_async
+
+
+@pytest.fixture
+async def secured_topics(secured_kafka: SecuredKafka) -> AsyncIterator[Topics]:
+    """Topics made and deleted through the secured listener itself."""
+    options = kafka_client.client_options(secured_kafka.settings())
+    made = Topics(secured_kafka.bootstrap_servers, **options)
+    yield made
+    await made.delete_all()
+
+
+async def produce(secured: SecuredKafka, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+    options = kafka_client.client_options(secured.settings())
+    await kafka_support.produce(secured.bootstrap_servers, topic, records, **options)
+
+
+WRONG_PASSWORD = "not-the-password"  # noqa: S105 - a wrong one on purpose
+BAD = {
+    "wrong password": ({"sasl_plain_password": WRONG_PASSWORD}, "sasl_plain_password"),
+    # No ssl_cafile: the system's CAs, which never signed the throwaway one.
+    "untrusted certificate": ({"ssl_cafile": ""}, "ssl_cafile"),
+}
+
+
+def listener(secured: SecuredKafka) -> str:
+    return f"the SASL_SSL listener at {secured.bootstrap_servers}"
+
+
+async def test_the_consumer_applies_through_sasl_ssl(
+    secured_kafka: SecuredKafka, secured_topics: Topics, pool: Any
+) -> None:
+    await pool.execute(support.EFFECTS)
+    topic = await secured_topics.create()
+    await produce(secured_kafka, topic, [(b"k", orjson.dumps({"id": i})) for i in (1, 2, 1)])
+    consumer = support.consumer(
+        support.record_effect,
+        topic,
+        secured_kafka.bootstrap_servers,
+        pool,
+        **secured_kafka.settings(),
+    )
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: support.handled(consumer, 3), what="3 records")
+    assert await support.effect_counts(pool) == (2, 2)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+async def test_the_consumer_names_the_listener_and_setting_it_was_refused_for(
+    secured_kafka: SecuredKafka, pool: Any, case: str
+) -> None:
+    changes, setting = BAD[case]
+    settings = {k: v for k, v in secured_kafka.settings(**changes).items() if v}
+    consumer = support.consumer(
+        support.record_effect, "t-any", secured_kafka.bootstrap_servers, pool, **settings
+    )
+    with pytest.raises(dedup.ConfigurationError) as refused:
+        await consumer.run()
+    message = str(refused.value)
+    assert listener(secured_kafka) in message
+    assert setting in message
+    assert secured_kafka.password not in message
+
+
+async def test_a_bundled_service_runs_through_sasl_ssl(
+    secured_kafka: SecuredKafka, secured_topics: Topics, dsn: str, pool: Any
+) -> None:
+    topic = await secured_topics.create()
+    # Every setting as a variable (the password must not be a flag: it would show in ps).
+    secured = secured_kafka.environ()
+    bootstrap = secured.pop("KAFKA_BOOTSTRAP_SERVERS")
+    env = service_support.environment(dsn, bootstrap, COUPONS_TOPIC=topic, **secured)
+    request = {"request_id": "r1", "user_id": "u1", "campaign": "bf", "value": 5}
+    async with service_support.child("run", "consumers.coupons", env=env) as service:
+        await produce(secured_kafka, topic, [(b"u1", orjson.dumps(request))] * 2)
+
+        async def applied() -> bool:
+            if await pool.fetchval("SELECT to_regclass('coupons.requests')") is None:
+                return False
+            return bool(await pool.fetchval("SELECT count(*) = 1 FROM coupons.requests"))
+
+        await helpers.wait_for(applied, what="the request applied once")
+        assert await service.stop(signal.SIGTERM) == 0, await service.stderr()
+
+    env["KAFKA_SASL_PLAIN_PASSWORD"] = WRONG_PASSWORD
+    code, _, err = await service_support.run("run", "consumers.coupons", env=env)
+    assert code != 0
+    assert listener(secured_kafka) in err and "sasl_plain_password" in err, err
+    assert WRONG_PASSWORD not in err
+
+
+async def test_dead_letters_replay_through_sasl_ssl(
+    secured_kafka: SecuredKafka, secured_topics: Topics, dsn: str, pool: Any
+) -> None:
+    topic = await secured_topics.create()
+    dead = await add_dead_letter(pool, topic=topic, key=b"acct-7", value=b'{"n": 1}')
+    for changes, setting in BAD.values():
+        env = secured_kafka.environ(**changes)
+        refused = await run_cli_async("dead-letters", "replay", str(dead), dsn=dsn, env=env)
+        assert refused.returncode != 0
+        assert listener(secured_kafka) in refused.stderr, refused.stderr
+        assert setting in refused.stderr
+        assert secured_kafka.password not in refused.stderr + refused.stdout
+
+    env = secured_kafka.environ()
+    done = await run_cli_async(
+        "dead-letters", "replay", str(dead), "--format", "json", dsn=dsn, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert [r["id"] for r in json_out(done)["replayed"]] == [dead]
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=secured_kafka.bootstrap_servers,
+        enable_auto_commit=False,
+        **kafka_client.client_options(secured_kafka.settings()),
+    )
+    await consumer.start()
+    try:
+        consumer.assign([TopicPartition(topic, 0)])
+        await consumer.seek_to_beginning(TopicPartition(topic, 0))
+        record = await consumer.getone()
+    finally:
+        await consumer.stop()
+    assert (record.key, record.value) == (b"acct-7", b'{"n": 1}')
+
+
+async def test_kafka_group_tool_shows_which_process_owns_a_partition(
+    bootstrap_servers: str, topics: Topics, pool: Any
+) -> None:
+    await pool.execute(support.EFFECTS)
+    topic = await topics.create()
+    await kafka_support.produce(bootstrap_servers, topic, [(b"k", b'{"id": 1}')])
+    default = support.consumer(support.record_effect, topic, bootstrap_servers, pool)
+    async with support.running(default):
+        await helpers.wait_for(lambda: support.handled(default, 1), what="1 record")
+        shown = await kafka_tools.run(
+            "consumer-groups",
+            *("--bootstrap-server", bootstrap_servers, "--describe", "--members"),
+            *("--group", f"g-{topic}"),
+        )
+    # CLIENT-ID is the holder: host, pid and a short id.
+    assert default.holder.startswith(f"{socket.gethostname()}:{os.getpid()}:")
+    assert default.holder in shown.stdout, shown.stdout
+
+    named = support.consumer(
+        support.record_effect, topic, bootstrap_servers, pool, client_id="billing-7"
+    )
+    async with support.running(named):
+        await helpers.wait_for(
+            lambda: kafka_support.committed(bootstrap_servers, f"g-{topic}", topic),
+            what="the group's commit",
+        )
+        shown = await kafka_tools.run(
+            "consumer-groups",
+            *("--bootstrap-server", bootstrap_servers, "--describe", "--members"),
+            *("--group", f"g-{topic}"),
+        )
+    assert "billing-7" in shown.stdout, shown.stdout
