@@ -22,6 +22,7 @@ from dedup._errors import (
     StaleTokenError,
     UndecodableBatchError,
 )
+from dedup._faststream import FastStreamDedup
 from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
 from dedup._migrations import migrate
@@ -46,6 +47,7 @@ __all__ = [
     "ClaimResult",
     "ConfigurationError",
     "DedupError",
+    "FastStreamDedup",
     "HandlerError",
     "IdempotentConsumer",
     "KeyExtractionError",
