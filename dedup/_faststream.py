@@ -200,7 +200,8 @@ class FastStreamDedup:
             delivery = _narrowed(msg, records, claimed.fresh) if batch else msg
             tx = message_.Tx(conn=guard.GuardedConnection(conn), token=0)
             try:
-                with context.scope(TX, tx):
+                # "message" too: a batch subscriber's Context("message") is the narrowed one.
+                with context.scopes(((TX, tx), ("message", delivery))):
                     result = await call_next(delivery)
                 guard.check_open(conn)
             except Exception as exc:
