@@ -22,6 +22,7 @@ from dedup._errors import (
     StaleTokenError,
     UndecodableBatchError,
 )
+from dedup._faststream import FastStreamDedup
 from dedup._kafka_client import add_kafka_options, kafka_options
 from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
@@ -47,6 +48,7 @@ __all__ = [
     "ClaimResult",
     "ConfigurationError",
     "DedupError",
+    "FastStreamDedup",
     "HandlerError",
     "IdempotentConsumer",
     "KeyExtractionError",

@@ -43,6 +43,20 @@ def test_every_public_name_has_a_docstring() -> None:
         assert inspect.getdoc(getattr(dedup, name)), name
 
 
+def test_faststream_middleware_imports_faststream_only_when_used() -> None:
+    # dedup imports without the [faststream] extra: the middleware class is built on first use.
+    exactly_once = dedup.FastStreamDedup(dsn="postgresql://x", namespace="n")
+    assert "faststream" not in dedup._faststream.__dict__
+    assert callable(exactly_once)
+
+
+def test_faststream_middleware_refuses_wrong_settings() -> None:
+    with pytest.raises(dedup.ConfigurationError, match="exactly one of dsn= or pool="):
+        dedup.FastStreamDedup(namespace="n")
+    with pytest.raises(dedup.ConfigurationError, match="max_attempts"):
+        dedup.FastStreamDedup(dsn="postgresql://x", namespace="n", max_attempts=0)
+
+
 def test_key_strategies_of_the_contract() -> None:
     for name in ("header", "json_field", "kafka_key", "offset", "first"):
         assert callable(getattr(dedup.keys, name))

@@ -1,0 +1,281 @@
+"""``FastStreamDedup``: exactly-once FastStream subscribers, as a FastStream middleware.
+
+FastStream (``dedup[faststream]``) owns the consumer, the group and the offsets
+it commits to Kafka; this middleware owns one Postgres transaction per
+delivery.  In it the record's key is claimed with :func:`dedup.claim` and, when
+fresh, the subscriber runs with that transaction at hand, through FastStream's
+own context (``tx: dedup.Tx = Context("dedup_tx")``), so the claim and the
+handler's writes commit or roll back together.  Duplicates return before the
+handler runs and FastStream acknowledges them as usual.
+
+There is no partition lease: Kafka's offsets are FastStream's, so nothing here
+can refuse a zombie member's transaction (``tx.token`` is 0).  The key claim
+alone keeps every effect inside Postgres to once (docs/howto/faststream.md,
+"What is fenced").
+
+FastStream is imported only when a subscriber first uses the middleware, so
+``import dedup`` works without the extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from dedup import _config as config
+from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _guard as guard
+from dedup import _handler as handler_
+from dedup import _message as message_
+from dedup import _store as store
+from dedup import _worker as worker
+from dedup import _wrap as wrap_
+from dedup import keys
+
+log = logging.getLogger("dedup.faststream")
+
+TX = "dedup_tx"
+"""The name of the transaction in FastStream's context: ``Context("dedup_tx")``."""
+
+
+class FastStreamDedup:
+    """A FastStream middleware that makes a Kafka subscriber exactly-once.
+
+    Pass it in the subscriber's ``middlewares``, and take the transaction from
+    FastStream's context::
+
+        exactly_once = dedup.FastStreamDedup(dsn=DSN, namespace="orders",
+                                             key=dedup.keys.json_field("id"))
+
+        @broker.subscriber("orders", group_id="orders", middlewares=[exactly_once],
+                           ack_policy=AckPolicy.NACK_ON_ERROR)
+        async def handle(order: dict, tx: dedup.Tx = Context("dedup_tx")) -> None:
+            await tx.conn.execute("INSERT ...")
+
+    For each delivery (one record, or a batch subscriber's records) it opens one
+    transaction on ``pool`` (or a pool it makes from ``dsn`` on first use) and
+    claims the keys (:func:`dedup.claim`): a delivery with no fresh key is
+    acknowledged without running the subscriber; a batch subscriber receives
+    only its fresh records.  A subscriber error rolls the transaction back and
+    is retried ``max_attempts`` times ``retry_backoff`` seconds apart (a failing
+    batch is first split into single records); the record that still fails is
+    dead-lettered whole, in ``dead_letters``, and acknowledged, so the
+    partition moves on.  Errors reaching Postgres itself (a lost connection, a
+    serialization failure) are not the record's fault: they propagate, so
+    FastStream's ``NACK_ON_ERROR`` redelivers the delivery.
+    """
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        pool: Any = None,
+        dsn: str | None = None,
+        key: keys.Strategy = config.DEFAULT_KEY,
+        schema: str = "dedup",
+        max_attempts: int = 3,
+        retry_backoff: float = 0.1,
+        on_missing_key: str = message_.OnMissingKey.DEAD_LETTER,
+        on_conflict: str = message_.OnConflict.DEAD_LETTER,
+    ) -> None:
+        db.require_one(dsn, pool)
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise errors.ConfigurationError(
+                f"max_attempts must be a whole number >= 1, not {max_attempts!r}"
+            )
+        if not isinstance(retry_backoff, int | float) or retry_backoff < 0:
+            raise errors.ConfigurationError(
+                f"retry_backoff must be seconds >= 0, not {retry_backoff!r}"
+            )
+        self.namespace = namespace
+        self.key = key
+        self.schema = schema
+        self.max_attempts = max_attempts
+        self.retry_backoff = float(retry_backoff)
+        # Checks key and policies now, at import time of the app, not on the first record.
+        self._store, self._missing_key = wrap_._claimer(
+            key, schema, namespace, on_missing_key, on_conflict
+        )
+        self._claim_options: dict[str, Any] = {
+            "namespace": namespace,
+            "key": key,
+            "schema": schema,
+            "on_missing_key": on_missing_key,
+            "on_conflict": on_conflict,
+        }
+        self._pool = pool
+        self._dsn = dsn
+        self._own_pool = False
+        self._opening = asyncio.Lock()
+
+    def __call__(self, msg: Any, /, *, context: Any) -> Any:
+        """FastStream's middleware factory: one middleware object per delivery."""
+        return _middleware_class()(msg, context=context, owner=self)
+
+    async def close(self) -> None:
+        """Close the pool made from ``dsn`` (call it from the app's ``after_shutdown``)."""
+        if self._own_pool and self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+            self._own_pool = False
+
+    async def _get_pool(self) -> Any:
+        if self._pool is None:
+            async with self._opening:
+                if self._pool is None:
+                    self._pool = await db.create_pool(str(self._dsn))  # require_one: set
+                    self._own_pool = True
+        return self._pool
+
+    async def consume(
+        self, call_next: Callable[[Any], Awaitable[Any]], msg: Any, context: Any
+    ) -> Any:
+        """Run one delivery: claim, call the subscriber, retry, isolate, dead-letter."""
+        raw = msg.raw_message
+        if not isinstance(raw, tuple):
+            return await self._attempts(call_next, msg, [raw], context, False)
+        try:
+            return await self._once(call_next, msg, list(raw), context, batch=True)
+        except _HandlerFailed as failed:
+            if len(raw) == 1:
+                return await self._attempts(call_next, msg, [*raw], context, True, failed)
+            log.info("batch of %d failed (%s); retrying its records one by one", len(raw), failed)
+        for record in raw:
+            await self._attempts(call_next, msg, [record], context, True)
+        return None
+
+    async def _attempts(
+        self,
+        call_next: Callable[[Any], Awaitable[Any]],
+        msg: Any,
+        records: list[Any],
+        context: Any,
+        batch: bool,
+        failed: _HandlerFailed | None = None,
+    ) -> Any:
+        """Up to ``max_attempts`` transactions (``failed``: the first already failed so)."""
+        attempt = 1
+        if failed is None:
+            try:
+                return await self._once(call_next, msg, records, context, batch=batch)
+            except _HandlerFailed as exc:
+                failed = exc
+        while True:
+            log.warning(
+                "handler failed on %s (attempt %d of %d): %s",
+                _where(records),
+                attempt,
+                self.max_attempts,
+                failed.cause,
+            )
+            if attempt >= self.max_attempts:
+                await self._dead_letter(records, failed.cause, attempt)
+                return None
+            await asyncio.sleep(self.retry_backoff)
+            attempt += 1
+            try:
+                return await self._once(call_next, msg, records, context, batch=batch)
+            except _HandlerFailed as exc:
+                failed = exc
+
+    async def _once(
+        self,
+        call_next: Callable[[Any], Awaitable[Any]],
+        msg: Any,
+        records: list[Any],
+        context: Any,
+        *,
+        batch: bool,
+    ) -> Any:
+        pool = await self._get_pool()
+        async with pool.acquire() as conn, conn.transaction():
+            claimed = await wrap_.claim(conn, records, **self._claim_options)
+            if not claimed.fresh:
+                return None
+            delivery = _narrowed(msg, records, claimed.fresh) if batch else msg
+            tx = message_.Tx(conn=guard.GuardedConnection(conn), token=0)
+            try:
+                # "message" too: a batch subscriber's Context("message") is the narrowed one.
+                with context.scopes(((TX, tx), ("message", delivery))):
+                    result = await call_next(delivery)
+                guard.check_open(conn)
+            except Exception as exc:
+                if db.is_retriable(exc):
+                    raise  # Postgres's trouble, not the record's: FastStream redelivers
+                raise _HandlerFailed(exc) from exc
+            return result
+
+    async def _dead_letter(
+        self, records: Sequence[Any], cause: BaseException, attempts: int
+    ) -> None:
+        letters = []
+        for record in records:
+            msg = message_.Message.from_record(record)
+            worker.take_key(self.key, self._missing_key, msg)
+            letters.append(
+                store.DeadLetter(
+                    msg,
+                    f"handler failed {attempts} times",
+                    error=handler_.describe(cause),
+                    attempts=attempts,
+                )
+            )
+        pool = await self._get_pool()
+        async with pool.acquire() as conn, conn.transaction():
+            await self._store.claim(conn, [], dead=letters)
+        log.error("dead-lettered %s after %d attempts: %s", _where(records), attempts, cause)
+
+
+class _HandlerFailed(Exception):
+    """The subscriber raised inside the transaction (which then rolled back)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _where(records: Sequence[Any]) -> str:
+    first = records[0]
+    if len(records) == 1:
+        return f"{first.topic}:{first.partition}:{first.offset}"
+    return f"{len(records)} records from {first.topic}:{first.partition}:{first.offset}"
+
+
+def _narrowed(msg: Any, records: list[Any], fresh: list[message_.Message]) -> Any:
+    """A batch delivery holding only ``fresh``'s records (FastStream decodes ``raw_message``)."""
+    wanted = {(m.topic, m.partition, m.offset) for m in fresh}
+    kept = tuple(r for r in records if (r.topic, r.partition, r.offset) in wanted)
+    if kept == tuple(msg.raw_message):
+        return msg
+    narrow = copy.copy(msg)  # StreamMessage's copy forgets the decoded body
+    narrow.raw_message = kept
+    narrow.body = [r.value or b"" for r in kept]
+    narrow.batch_headers = [{k: v.decode() for k, v in r.headers} for r in kept]
+    return narrow
+
+
+@functools.cache
+def _middleware_class() -> type[Any]:
+    try:
+        from faststream import BaseMiddleware
+    except ImportError as exc:
+        raise errors.ConfigurationError(
+            "dedup.FastStreamDedup needs FastStream: pip install 'dedup-kafka[faststream]'"
+        ) from exc
+
+    class DedupMiddleware(BaseMiddleware):
+        """One delivery's middleware: its transaction is :class:`FastStreamDedup`'s."""
+
+        def __init__(self, msg: Any, /, *, context: Any, owner: FastStreamDedup) -> None:
+            super().__init__(msg, context=context)
+            self.owner = owner
+
+        async def consume_scope(self, call_next: Any, msg: Any) -> Any:
+            return await self.owner.consume(call_next, msg, self.context)
+
+    return DedupMiddleware
