@@ -24,7 +24,7 @@ import copy
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from dedup import _config as config
 from dedup import _db as db
@@ -136,36 +136,36 @@ class FastStreamDedup:
         self, call_next: Callable[[Any], Awaitable[Any]], msg: Any, context: Any
     ) -> Any:
         """Run one delivery: claim, call the subscriber, retry, isolate, dead-letter."""
+        delivery = _Delivery(call_next, msg, context)
         raw = msg.raw_message
         if not isinstance(raw, tuple):
-            return await self._attempts(call_next, msg, [raw], context, False)
+            return await self._attempts(delivery, [raw], False)
         try:
-            return await self._once(call_next, msg, list(raw), context, batch=True)
+            return await self._once(delivery, list(raw), batch=True)
         except _HandlerFailed as failed:
             if len(raw) == 1:
-                return await self._attempts(call_next, msg, [*raw], context, True, failed)
+                return await self._attempts(delivery, [*raw], True, failed)
             log.info("batch of %d failed (%s); retrying its records one by one", len(raw), failed)
         for record in raw:
-            await self._attempts(call_next, msg, [record], context, True)
+            await self._attempts(delivery, [record], True)
         return None
 
     async def _attempts(
         self,
-        call_next: Callable[[Any], Awaitable[Any]],
-        msg: Any,
+        delivery: _Delivery,
         records: list[Any],
-        context: Any,
         batch: bool,
         failed: _HandlerFailed | None = None,
     ) -> Any:
         """Up to ``max_attempts`` transactions (``failed``: the first already failed so)."""
-        attempt = 1
-        if failed is None:
-            try:
-                return await self._once(call_next, msg, records, context, batch=batch)
-            except _HandlerFailed as exc:
-                failed = exc
-        while True:
+        for attempt in range(1, self.max_attempts + 1):
+            if attempt > 1:
+                await asyncio.sleep(self.retry_backoff)
+            if attempt > 1 or failed is None:
+                try:
+                    return await self._once(delivery, records, batch=batch)
+                except _HandlerFailed as exc:
+                    failed = exc
             log.warning(
                 "handler failed on %s (attempt %d of %d): %s",
                 _where(records),
@@ -173,36 +173,23 @@ class FastStreamDedup:
                 self.max_attempts,
                 failed.cause,
             )
-            if attempt >= self.max_attempts:
-                await self._dead_letter(records, failed.cause, attempt)
-                return None
-            await asyncio.sleep(self.retry_backoff)
-            attempt += 1
-            try:
-                return await self._once(call_next, msg, records, context, batch=batch)
-            except _HandlerFailed as exc:
-                failed = exc
+        assert failed is not None  # noqa: S101 - max_attempts >= 1, checked at construction
+        await self._dead_letter(records, failed.cause, self.max_attempts)
+        return None
 
-    async def _once(
-        self,
-        call_next: Callable[[Any], Awaitable[Any]],
-        msg: Any,
-        records: list[Any],
-        context: Any,
-        *,
-        batch: bool,
-    ) -> Any:
+    async def _once(self, delivery: _Delivery, records: list[Any], *, batch: bool) -> Any:
+        call_next, msg, context = delivery
         pool = await self._get_pool()
         async with pool.acquire() as conn, conn.transaction():
             claimed = await wrap_.claim(conn, records, **self._claim_options)
             if not claimed.fresh:
                 return None
-            delivery = _narrowed(msg, records, claimed.fresh) if batch else msg
+            fresh = _narrowed(msg, records, claimed.fresh) if batch else msg
             tx = message_.Tx(conn=guard.GuardedConnection(conn), token=0)
             try:
                 # "message" too: a batch subscriber's Context("message") is the narrowed one.
-                with context.scopes(((TX, tx), ("message", delivery))):
-                    result = await call_next(delivery)
+                with context.scopes(((TX, tx), ("message", fresh))):
+                    result = await call_next(fresh)
                 guard.check_open(conn)
             except Exception as exc:
                 if db.is_retriable(exc):
@@ -229,6 +216,14 @@ class FastStreamDedup:
         async with pool.acquire() as conn, conn.transaction():
             await self._store.claim(conn, [], dead=letters)
         log.error("dead-lettered %s after %d attempts: %s", _where(records), attempts, cause)
+
+
+class _Delivery(NamedTuple):
+    """What FastStream hands the middleware for one delivery."""
+
+    call_next: Callable[[Any], Awaitable[Any]]
+    msg: Any
+    context: Any
 
 
 class _HandlerFailed(Exception):
