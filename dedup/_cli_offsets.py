@@ -8,8 +8,13 @@ from typing import Any
 
 from dedup import _cli_common as common
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 from dedup import _offsets as offsets
 from dedup import _offsets_kafka as offsets_kafka
+
+
+def _kafka(args: argparse.Namespace) -> offsets_kafka.Kafka:
+    return offsets_kafka.Kafka(args.bootstrap_servers, kafka_client.kafka_options(args))
 
 
 async def _show(args: argparse.Namespace) -> int:
@@ -22,7 +27,7 @@ async def _show(args: argparse.Namespace) -> int:
     async with common.connection(args) as conn:
         if not args.bootstrap_servers:
             return common.show(await offsets.show(conn, args.schema, query, None), args)
-        async with offsets_kafka.Kafka(args.bootstrap_servers) as kafka:
+        async with _kafka(args) as kafka:
             return common.show(await offsets.show(conn, args.schema, query, kafka), args)
 
 
@@ -44,7 +49,7 @@ async def _move(args: argparse.Namespace) -> int:
     offsets_kafka.quiet_aiokafka()
     async with (
         common.connection(args) as conn,
-        offsets_kafka.Kafka(args.bootstrap_servers) as kafka,
+        _kafka(args) as kafka,
     ):
         done, note = await offsets.move(conn, args.schema, request, kafka)
     common.show(done, args)  # before the note, on a terminal too
@@ -76,7 +81,7 @@ def add_offsets(sub: Any) -> None:
     common.add_filters(
         p, group="the consumer group (default: all)", topic="the topic (default: all)"
     )
-    common.add_kafka(p, "Kafka, for end offsets and lag; '' for none")
+    common.add_kafka(p, "Kafka, for end offsets and lag; '' for none", secured=True)
     common.add_output(p)
     for action, what in _MOVES:
         _add_move(commands, action, what)
@@ -110,5 +115,5 @@ def _add_move(commands: Any, action: str, what: str) -> None:
     )
     p.add_argument("--yes", action="store_true", help="go ahead although the group has members")
     p.add_argument("--holder", help="who moves it, for the events table (default: user@host)")
-    common.add_kafka(p, "Kafka")
+    common.add_kafka(p, "Kafka", secured=True)
     common.add_output(p, limit=False)

@@ -6,6 +6,7 @@ import datetime
 import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
+from typing import Any
 
 import aiokafka
 import aiokafka.admin
@@ -13,6 +14,7 @@ import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
 from dedup import _errors as errors
+from dedup import _kafka_client as kafka_client
 
 KAFKA_TIMEOUT_MS = 10_000
 
@@ -20,10 +22,17 @@ KAFKA_TIMEOUT_MS = 10_000
 class Kafka:
     """What ``dedup offsets`` asks Kafka: partitions, log ranges, group members and offsets."""
 
-    def __init__(self, bootstrap_servers: str) -> None:
+    def __init__(
+        self, bootstrap_servers: str, kafka_options: Mapping[str, Any] | None = None
+    ) -> None:
+        """``kafka_options``: the security settings (aiokafka's names, and ``ssl_cafile``...:
+        dedup._kafka_client)."""
         self.bootstrap_servers = bootstrap_servers
+        self._options = kafka_client.client_options(kafka_options or {})
         self._admin = aiokafka.admin.AIOKafkaAdminClient(
-            bootstrap_servers=bootstrap_servers, request_timeout_ms=KAFKA_TIMEOUT_MS
+            bootstrap_servers=bootstrap_servers,
+            request_timeout_ms=KAFKA_TIMEOUT_MS,
+            **self._options,
         )
         # No group: it only reads offsets.  read_uncommitted (the default), so
         # end offsets are the log end that Kafka's own lag tools count from.
@@ -31,6 +40,7 @@ class Kafka:
             bootstrap_servers=bootstrap_servers,
             enable_auto_commit=False,
             request_timeout_ms=KAFKA_TIMEOUT_MS,
+            **self._options,
         )
 
     async def __aenter__(self) -> Kafka:
@@ -39,7 +49,10 @@ class Kafka:
             await self._reader.start()
         except aiokafka.errors.KafkaError as exc:
             await self.__aexit__(None, None, None)
-            raise self.unavailable(exc) from exc
+            # A refused login or certificate names the setting to fix (exit code 2).
+            raise await kafka_client.unreachable(
+                self.bootstrap_servers, self._options, exc, what="dedup offsets"
+            ) from exc
         return self
 
     async def __aexit__(
@@ -114,6 +127,7 @@ class Kafka:
             group_id=group,
             enable_auto_commit=False,
             request_timeout_ms=KAFKA_TIMEOUT_MS,
+            **self._options,
         )
         await committer.start()
         try:

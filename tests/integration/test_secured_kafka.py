@@ -150,6 +150,56 @@ async def test_dead_letters_replay_through_sasl_ssl(
     assert (record.key, record.value) == (b"acct-7", b'{"n": 1}')
 
 
+async def test_offsets_show_and_skip_through_sasl_ssl(
+    secured_kafka: SecuredKafka, secured_topics: Topics, dsn: str, pool: Any
+) -> None:
+    await pool.execute(support.EFFECTS)
+    topic = await secured_topics.create()
+    group = f"g-{topic}"
+    await produce(secured_kafka, topic, [(b"k", orjson.dumps({"id": i})) for i in range(3)])
+    consumer = support.consumer(
+        support.record_effect,
+        topic,
+        secured_kafka.bootstrap_servers,
+        pool,
+        **secured_kafka.settings(),
+    )
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: support.handled(consumer, 3), what="3 records")
+    await produce(secured_kafka, topic, [(b"k", orjson.dumps({"id": i})) for i in (3, 4)])
+
+    env = secured_kafka.environ()
+    show = ("offsets", "show", "--group", group, "--format", "json")
+    done = await run_cli_async(*show, dsn=dsn, env=env)
+    assert done.returncode == 0, done.stderr
+    [row] = json_out(done)["partitions"]
+    assert (row["next_offset"], row["end_offset"], row["lag"]) == (3, 5, 2)
+
+    skip = (
+        "offsets",
+        "skip",
+        "--group",
+        group,
+        "--topic",
+        topic,
+        "--partition",
+        "0",
+        "--to-offset",
+        "5",
+    )
+    done = await run_cli_async(*skip, "--format", "json", dsn=dsn, env=env)
+    assert done.returncode == 0, done.stderr
+    [row] = json_out(done)["partitions"]
+    assert (row["status"], row["new_offset"], row["kafka_committed"]) == ("skipped", 5, True)
+
+    for changes, setting in BAD.values():
+        refused = await run_cli_async(*show, dsn=dsn, env=secured_kafka.environ(**changes))
+        assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+        assert listener(secured_kafka) in refused.stderr, refused.stderr
+        assert setting in refused.stderr
+        assert secured_kafka.password not in refused.stderr
+
+
 async def test_kafka_group_tool_shows_which_process_owns_a_partition(
     bootstrap_servers: str, topics: Topics, pool: Any
 ) -> None:
