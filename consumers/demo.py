@@ -4,7 +4,9 @@
     python -m consumers.demo --drop RUN
 
 On the Kafka and Postgres of ``KAFKA_BOOTSTRAP_SERVERS`` and ``DEDUP_DSN``
-(else ``.services/env``, written by ``compose/local/up``), in a database and
+(else ``.services/env``, written by ``compose/local/up``; a secured cluster's
+settings as ``KAFKA_SECURITY_PROTOCOL``, ``KAFKA_SASL_PLAIN_PASSWORD``, ...,
+which the services it starts read too), in a database and
 topics of its own, named after the run (``dedup_demo_<run>``,
 ``dedup-demo-<run>-payments``, ...):
 
@@ -48,7 +50,10 @@ import asyncpg
 import orjson
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError, UnknownTopicOrPartitionError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPartitionError
+from aiokafka.helpers import create_ssl_context
+
+import dedup
 
 DATE = "2026-11-30"
 SERVICES = ("payments", "coupons", "notifications")
@@ -251,10 +256,39 @@ async def create_database(made: Made) -> None:
         await conn.close()
 
 
-async def create_topics(bootstrap: str, made: Made) -> None:
+def kafka_clients(env: dict[str, str]) -> dict[str, Any]:
+    """The options of the demo's own Kafka clients: the address, and the security settings.
+
+    The settings are the ``KAFKA_<NAME>`` variables of this process, read as the
+    services it starts read them (``dedup.add_kafka_options``); the ``ssl_*file``
+    ones made into the ``ssl_context`` aiokafka takes.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    dedup.add_kafka_options(parser)
+    options: dict[str, Any] = dedup.kafka_options(parser.parse_args([]))
+    files = {
+        name.removeprefix("ssl_"): options.pop(name)
+        for name in list(options)
+        if name.startswith("ssl_")
+    }
+    if files or options.get("security_protocol") in ("SSL", "SASL_SSL"):
+        options["ssl_context"] = create_ssl_context(**files)
+    return {"bootstrap_servers": env["KAFKA_BOOTSTRAP_SERVERS"], **options}
+
+
+async def create_topics(kafka: dict[str, Any], made: Made) -> None:
     """This run's topics, one by one; one that exists already is someone's: stop."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
+    admin = AIOKafkaAdminClient(**kafka)
+    try:
+        await admin.start()
+    except KafkaError as exc:
+        await admin.close()
+        protocol = kafka.get("security_protocol", "PLAINTEXT")
+        raise SystemExit(
+            f"demo: cannot reach Kafka at {kafka['bootstrap_servers']} ({protocol}): {exc}; "
+            "check KAFKA_BOOTSTRAP_SERVERS and the KAFKA_* security settings "
+            "(aiokafka's line above says what the listener refused)"
+        ) from exc
     try:
         for name, topic in made.topics.items():
             try:
@@ -269,11 +303,11 @@ async def create_topics(bootstrap: str, made: Made) -> None:
         await admin.close()
 
 
-async def drop(made: Made, bootstrap: str) -> list[str]:
+async def drop(made: Made, kafka: dict[str, Any]) -> list[str]:
     """Remove this run's topics and database; what was removed, as lines to print."""
     removed = []
     if made.created:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        admin = AIOKafkaAdminClient(**kafka)
         await admin.start()
         try:
             for topic in made.created:
@@ -316,8 +350,10 @@ async def made_by_run(admin_dsn: str, run_id: str) -> Made:
     return made
 
 
-async def produce(bootstrap: str, topics: dict[str, str], plan: Plan, rng: random.Random) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=10)
+async def produce(
+    kafka: dict[str, Any], topics: dict[str, str], plan: Plan, rng: random.Random
+) -> None:
+    producer = AIOKafkaProducer(linger_ms=10, **kafka)
     await producer.start()
     try:
         sends = []
@@ -454,13 +490,13 @@ async def main(args: argparse.Namespace, env: dict[str, str], from_file: set[str
         say(line)
     try:
         await create_database(made)
-        await create_topics(env["KAFKA_BOOTSTRAP_SERVERS"], made)
+        await create_topics(kafka_clients(env), made)
     except Refused as exc:
-        await drop(made, env["KAFKA_BOOTSTRAP_SERVERS"])
+        await drop(made, kafka_clients(env))
         say(f"demo: {exc}")
         return EXIT_REFUSED
     except BaseException:
-        await drop(made, env["KAFKA_BOOTSTRAP_SERVERS"])
+        await drop(made, kafka_clients(env))
         raise
     say(f"This run ({run_id}): database {made.database}, topics {', '.join(made.topics.values())}")
     ok = False
@@ -484,7 +520,7 @@ async def drop_run(run_id: str, env: dict[str, str]) -> int:
     except Refused as exc:
         say(f"demo: {exc}")
         return EXIT_REFUSED
-    for removed in await drop(made, env["KAFKA_BOOTSTRAP_SERVERS"]):
+    for removed in await drop(made, kafka_clients(env)):
         say(f"dropped {removed}")
     return 0
 
@@ -520,7 +556,7 @@ async def demo(args: argparse.Namespace, env: dict[str, str], made: Made, logs: 
             f"producing {len(plan.payments)} payments, {len(plan.coupons)} coupon requests and "
             f"{len(plan.notifications)} notifications, with duplicates, a replay and a poison"
         )
-        await produce(env["KAFKA_BOOTSTRAP_SERVERS"], made.topics, plan, rng)
+        await produce(kafka_clients(env), made.topics, plan, rng)
         timeline.step(f"sent {sum(plan.sent.values())} messages")
         await wait_until(
             lambda: payments_decided(pool, len(plan.payments) // 3), "a third of the payments", 60

@@ -5,10 +5,15 @@ Also the consumer's default ``client_id``, as Kafka's own group tool shows it.""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -20,9 +25,9 @@ import dedup
 from dedup import _kafka_client as kafka_client
 from dedup_dev import effects as support
 from dedup_dev import kafka as kafka_support
-from dedup_dev.services import SecuredKafka
+from dedup_dev.services import SecuredKafka, Services
 from tests import helpers
-from tests.conftest import Topics
+from tests.conftest import ROOT, Topics
 from tests.support import kafka_tools
 from tests.support import service as service_support
 from tests.support.audit import add_dead_letter, json_out, run_cli_async
@@ -198,6 +203,35 @@ async def test_offsets_show_and_skip_through_sasl_ssl(
         assert listener(secured_kafka) in refused.stderr, refused.stderr
         assert setting in refused.stderr
         assert secured_kafka.password not in refused.stderr
+
+
+def demo(secured: SecuredKafka, dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m consumers.demo ARGS`` with only the secured listener's settings for Kafka."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "KAFKA_"))}
+    env |= {"DEDUP_DSN": dsn, **secured.environ()}
+    argv = (sys.executable, "-m", "consumers.demo", *args)
+    return subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+async def test_the_demo_runs_through_sasl_ssl(
+    secured_kafka: SecuredKafka, services: Services, tmp_path: Path
+) -> None:
+    # Its topics made, its records produced and its services run through the secured listener.
+    sizes = ("--payments", "60", "--coupons", "20", "--notifications", "10")
+    run = await asyncio.to_thread(
+        demo, secured_kafka, services.dsn, *sizes, "--logs", str(tmp_path)
+    )
+    named = re.search(r"^This run \((\w+)\):", run.stdout, re.MULTILINE)
+    try:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "RESULT: zero lost, zero doubled" in run.stdout
+    finally:
+        if named:
+            dropped = await asyncio.to_thread(demo, secured_kafka, services.dsn, "--drop", named[1])
+            assert dropped.returncode == 0, dropped.stdout + dropped.stderr
+            assert f"dropped topic dedup-demo-{named[1]}-payments" in dropped.stdout
 
 
 async def test_kafka_group_tool_shows_which_process_owns_a_partition(
