@@ -46,14 +46,15 @@ TX = "dedup_tx"
 class FastStreamDedup:
     """A FastStream middleware that makes a Kafka subscriber exactly-once.
 
-    Pass it in the subscriber's ``middlewares``, and take the transaction from
+    Put it on a ``KafkaRouter`` (or the ``KafkaBroker``: FastStream 0.7 takes
+    middlewares there, not per subscriber), and take the transaction from
     FastStream's context::
 
         exactly_once = dedup.FastStreamDedup(dsn=DSN, namespace="orders",
                                              key=dedup.keys.json_field("id"))
+        router = KafkaRouter(middlewares=[exactly_once])
 
-        @broker.subscriber("orders", group_id="orders", middlewares=[exactly_once],
-                           ack_policy=AckPolicy.NACK_ON_ERROR)
+        @router.subscriber("orders", group_id="orders", ack_policy=AckPolicy.NACK_ON_ERROR)
         async def handle(order: dict, tx: dedup.Tx = Context("dedup_tx")) -> None:
             await tx.conn.execute("INSERT ...")
 
