@@ -7,7 +7,6 @@ span (see :mod:`dedup.telemetry`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +67,7 @@ async def record(conn: asyncpg.Connection, schema: str, events: Sequence[Event])
     for event in events:
         telemetry.transition(event.kind, event.span_attributes())
     trace_id = telemetry.current_trace_id()
-    await _insert(schema).execute(
+    await sql.Queries(schema).record_events.execute(
         conn,
         subjects=[e.subject for e in events],
         kinds=[e.kind for e in events],
@@ -83,10 +82,3 @@ async def record(conn: asyncpg.Connection, schema: str, events: Sequence[Event])
         # As text, cast in SQL: the json codecs belong to the pool's owner.
         details=[orjson.dumps(dict(e.detail)).decode() for e in events],
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _insert(schema: str) -> sql.Query:
-    """The events INSERT for ``schema``, rendered once (it runs on the hot path)."""
-    query: sql.Query = sql.Queries(schema).record_events
-    return query
