@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from dedup_dev import effects
 from dedup_dev import kafka as kafka_support
 from tests import helpers
 from tests.conftest import Topics
@@ -33,6 +34,9 @@ async def test_a_faststream_group_applies_every_key_once_through_a_sigkill(
     rng.shuffle(sends)
     args = ("--dsn", dsn, "--bootstrap-servers", bootstrap_servers, "--topic", topic)
     args += ("--group", group, "--max-records", "50")
+    # The members' effects table, made once here: two CREATE TABLE IF NOT EXISTS
+    # at the same moment can collide in Postgres's catalog.
+    await pool.execute(effects.EFFECTS)
     async with (
         faststream_member.started(*args) as doomed,
         faststream_member.started(*args) as survivor,

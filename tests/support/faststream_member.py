@@ -24,13 +24,12 @@ from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.middlewares import AckPolicy
 
 import dedup
-from dedup_dev import children, effects
+from dedup_dev import children
 from dedup_dev.children import say
 
 
 async def main(args: argparse.Namespace) -> None:
-    pool = await dedup.create_pool(args.dsn)
-    await pool.execute(effects.EFFECTS)
+    pool = await dedup.create_pool(args.dsn)  # the test made the effects table
     exactly_once = dedup.FastStreamDedup(
         pool=pool, namespace=args.group, key=dedup.keys.json_field("id")
     )
