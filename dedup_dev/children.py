@@ -8,6 +8,7 @@ once it runs, ``IN_BATCH ...``, ``FAILPOINT ...``; results as JSON after the wor
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -20,6 +21,14 @@ from typing import Any
 import orjson
 
 from dedup_dev import services
+
+
+def consumer_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The options every consumer child takes: where to read, where to write, which group."""
+    p = argparse.ArgumentParser(prog=prog)
+    for option in ("--dsn", "--bootstrap-servers", "--topic", "--group"):
+        p.add_argument(option, required=True)
+    return p
 
 
 def say(line: str) -> None:

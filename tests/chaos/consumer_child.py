@@ -62,6 +62,7 @@ from dedup import _consumer as consumer_
 from dedup import _db as db
 from dedup import _faults as faults
 from dedup import _store as store
+from dedup_dev import children
 from tests.chaos import scenarios
 
 EFFECTS = f"""
@@ -335,11 +336,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consumer_child")
-    p.add_argument("--dsn", required=True)
-    p.add_argument("--bootstrap-servers", required=True)
-    p.add_argument("--topic", required=True)
-    p.add_argument("--group", required=True)
+    p = children.consumer_parser(prog="consumer_child")
     p.add_argument("--holder", required=True)
     p.add_argument("--batch-size", type=int, default=25)
     p.add_argument("--hold", type=float, default=0.0)

@@ -59,21 +59,22 @@ def listener(secured: SecuredKafka) -> str:
     return f"the SASL_SSL listener at {secured.bootstrap_servers}"
 
 
+async def apply_through(secured: SecuredKafka, topic: str, pool: Any, ids: list[int]) -> None:
+    """Produce ``ids`` and have a consumer on the secured listener handle every record."""
+    await pool.execute(support.EFFECTS)
+    await produce(secured, topic, [(b"k", orjson.dumps({"id": i})) for i in ids])
+    consumer = support.consumer(
+        support.record_effect, topic, secured.bootstrap_servers, pool, **secured.settings()
+    )
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: support.handled(consumer, len(ids)), what="the records")
+
+
 async def test_the_consumer_applies_through_sasl_ssl(
     secured_kafka: SecuredKafka, secured_topics: Topics, pool: Any
 ) -> None:
-    await pool.execute(support.EFFECTS)
     topic = await secured_topics.create()
-    await produce(secured_kafka, topic, [(b"k", orjson.dumps({"id": i})) for i in (1, 2, 1)])
-    consumer = support.consumer(
-        support.record_effect,
-        topic,
-        secured_kafka.bootstrap_servers,
-        pool,
-        **secured_kafka.settings(),
-    )
-    async with support.running(consumer):
-        await helpers.wait_for(lambda: support.handled(consumer, 3), what="3 records")
+    await apply_through(secured_kafka, topic, pool, [1, 2, 1])
     assert await support.effect_counts(pool) == (2, 2)
 
 
@@ -158,19 +159,9 @@ async def test_dead_letters_replay_through_sasl_ssl(
 async def test_offsets_show_and_skip_through_sasl_ssl(
     secured_kafka: SecuredKafka, secured_topics: Topics, dsn: str, pool: Any
 ) -> None:
-    await pool.execute(support.EFFECTS)
     topic = await secured_topics.create()
     group = f"g-{topic}"
-    await produce(secured_kafka, topic, [(b"k", orjson.dumps({"id": i})) for i in range(3)])
-    consumer = support.consumer(
-        support.record_effect,
-        topic,
-        secured_kafka.bootstrap_servers,
-        pool,
-        **secured_kafka.settings(),
-    )
-    async with support.running(consumer):
-        await helpers.wait_for(lambda: support.handled(consumer, 3), what="3 records")
+    await apply_through(secured_kafka, topic, pool, [0, 1, 2])
     await produce(secured_kafka, topic, [(b"k", orjson.dumps({"id": i})) for i in (3, 4)])
 
     env = secured_kafka.environ()

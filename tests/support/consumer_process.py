@@ -71,11 +71,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--dsn", required=True)
-    p.add_argument("--bootstrap-servers", required=True)
-    p.add_argument("--topic", required=True)
-    p.add_argument("--group", required=True)
+    p = children.consumer_parser()
     p.add_argument("--holder")
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--hold", type=float, default=0.0)

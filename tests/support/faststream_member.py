@@ -75,11 +75,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--dsn", required=True)
-    p.add_argument("--bootstrap-servers", required=True)
-    p.add_argument("--topic", required=True)
-    p.add_argument("--group", required=True)
+    p = children.consumer_parser()
     p.add_argument("--max-records", type=int, default=200)
     return p.parse_args(argv)
 
