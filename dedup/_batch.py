@@ -40,8 +40,8 @@ async def transaction(
 ) -> store.BatchResult:
     """Apply ``msgs`` and write ``dead`` in one transaction on ``lane``, under ``fence``.
 
-    ``serial``: the lanes deadlocked lately, so the transaction first waits
-    for every other serial batch of the group.  Raises what the store raises.
+    ``serial``: the lanes deadlocked lately, so the handler waits for its turn
+    in the group (:mod:`dedup._lanes`).  Raises what the store raises.
 
     Traced as the conventions have it: a CONSUMER span ``process <topic>`` for
     the batch, an INTERNAL span ``dedup transaction`` for the transaction (the
@@ -91,9 +91,6 @@ async def _transaction(
         with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema)):
             await tx.start()
         try:
-            if serial:
-                # Deadlocked lately: one transaction at a time in the group too.
-                await s.store.serialize(conn, s.group_id)
             result = await s.store.apply(
                 conn,
                 msgs,
@@ -104,6 +101,8 @@ async def _transaction(
                 handler_timeout=s.handler_timeout,
                 idle_timeout=s.idle_timeout,
                 lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
+                # Deadlocked lately: the handlers of the group take turns.
+                turn_of=s.group_id if serial else None,
             )
             await faults.point(
                 faults.Point.BEFORE_COMMIT,

@@ -5,7 +5,8 @@ The caller opens the transaction; :meth:`Store.apply` then, on that connection:
 1. fences and claims in one statement (``fence_and_claim``): the partition's
    offset moves only under the current token, and the batch's keys are claimed
    with one set-based ``INSERT ... ON CONFLICT``;
-2. runs the handler for the fresh keys only, in offset order;
+2. runs the handler for the fresh keys only, in offset order (after a
+   deadlock, first waiting for the group's turn: :mod:`dedup._lanes`);
 3. writes dead letters and the events of conflicts and dead letters
    (:mod:`dedup._outcomes`).
 
@@ -185,10 +186,6 @@ class Store:
         )
         await events.record(conn, self.schema, [event])
 
-    async def serialize(self, conn: asyncpg.Connection, group_id: str) -> None:
-        """Wait, inside the open transaction, until no other serial batch of the group runs."""
-        await self.queries.serialize_group.execute(conn, group_id=group_id)
-
     async def advance(
         self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, next_offset: int
     ) -> None:
@@ -221,6 +218,7 @@ class Store:
         handler_timeout: float | None = None,
         idle_timeout: float | None = None,
         lock_timeout: float | None = None,
+        turn_of: str | None = None,
     ) -> BatchResult:
         """Apply one batch inside the caller's open transaction (see the module docstring).
 
@@ -229,6 +227,8 @@ class Store:
         records of one partition.  ``idle_timeout`` and ``lock_timeout`` (seconds)
         are the transaction's ``idle_in_transaction_session_timeout`` and
         ``lock_timeout`` from its first statement on (None: the session's own).
+        ``turn_of``: a consumer group whose turn the handler waits for, held
+        until the transaction ends (the lanes turned serial).
         """
         result = BatchResult(dead_letters=list(dead))
         first, copies = _first_copies(msgs)
@@ -269,6 +269,8 @@ class Store:
                 )
         await self._sort_claimed(conn, result, rows, first, copies)
         if result.applied:
+            if turn_of is not None:
+                await self.queries.serialize_group.execute(conn, group_id=turn_of)
             await handler_.run(
                 handler,
                 batch_handler=batch_handler,

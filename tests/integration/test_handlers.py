@@ -432,12 +432,12 @@ async def test_a_retry_after_a_split_skips_the_parts_that_committed(
     assert consumer.stats["deadlocks"] == 1 and consumer.stats["duplicates"] == 0
 
 
-async def test_hot_rows_across_consumers_of_a_group_settle_into_one_at_a_time(
+async def test_hot_rows_across_consumers_of_a_group_settle_into_taking_turns(
     bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
 ) -> None:
     """Two consumers of one group (two processes, as far as their lanes know) whose handlers
-    update the same few rows unsorted: after a deadlock each runs its batches one at a time
-    across the group, so deadlocks stop instead of recurring whenever two batches overlap."""
+    update the same few rows unsorted: after a deadlock their handlers take turns across
+    the group, so deadlocks stop instead of recurring whenever two batches overlap."""
     topic = await topics.create(partitions=4)
     await pool.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
     await pool.execute("INSERT INTO accounts SELECT g, 0 FROM generate_series(0, 4) g")

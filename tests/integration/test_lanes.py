@@ -1,8 +1,10 @@
-"""The lock wait of a batch on a shared lane, on a real Postgres: it gives up well before
-Postgres's deadlock check would run, and it is set for that transaction only."""
+"""The lanes on a real Postgres: the lock wait of a batch on a shared lane gives up well
+before Postgres's deadlock check would run, and is set for that transaction only; on
+serial lanes the handlers take turns while the next batch's claim runs alongside."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -12,18 +14,19 @@ import pytest
 import dedup
 from dedup import _lanes as lanes
 from dedup import _store as store
+from tests import helpers
 
 
-def one_message() -> dedup.Message:
+def one_message(key: str = "k", partition: int = 0) -> dedup.Message:
     return dedup.Message(
         topic="t",
-        partition=0,
+        partition=partition,
         offset=0,
         key=None,
         value=b"{}",
         headers={},
         timestamp=0,
-        idempotency_key="k",
+        idempotency_key=key,
     )
 
 
@@ -61,3 +64,58 @@ async def test_a_batch_on_a_shared_lane_gives_up_a_lock_wait_before_the_deadlock
         assert await waiter.fetchval("SHOW lock_timeout") == "0"
     assert await pool.fetchval("SELECT n FROM hot") == 0
     assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == 0
+
+
+async def test_on_serial_lanes_a_claim_runs_while_another_handler_holds_the_turn(
+    pool: Any,
+) -> None:
+    writes = store.Store(schema="dedup", namespace="lanes")
+    in_first = asyncio.Event()
+    release_first = asyncio.Event()
+    ran: list[str] = []
+
+    async def first_handler(msg: dedup.Message, tx: dedup.Tx) -> None:
+        ran.append("first")
+        in_first.set()
+        await release_first.wait()
+
+    async def second_handler(msg: dedup.Message, tx: dedup.Tx) -> None:
+        ran.append("second")
+
+    async def batch(conn: Any, key: str, partition: int, handler: Any) -> None:
+        async with conn.transaction():
+            await writes.apply(
+                conn,
+                [one_message(key, partition)],
+                handler=handler,
+                batch_handler=False,
+                fence=None,
+                turn_of="group-a",
+            )
+
+    async with pool.acquire() as one, pool.acquire() as two:
+        second_pid = two.get_server_pid()
+        first = asyncio.create_task(batch(one, "a", 0, first_handler))
+        await asyncio.wait_for(in_first.wait(), 10)
+        second = asyncio.create_task(batch(two, "b", 1, second_handler))
+
+        async def waits_for_the_turn() -> bool:
+            row = await pool.fetchrow(
+                "SELECT wait_event, state FROM pg_stat_activity WHERE pid = $1", second_pid
+            )
+            return row is not None and row["wait_event"] == "advisory"
+
+        await helpers.wait_for(waits_for_the_turn, within=10, what="the second turn's wait")
+        # Its claim ran already: it holds the key's row in dedup.processed.
+        claimed = await pool.fetchval(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+            " WHERE l.pid = $1 AND c.relname = 'processed' AND l.mode = 'RowExclusiveLock'",
+            second_pid,
+        )
+        assert claimed == 1
+        assert ran == ["first"]
+        release_first.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert ran == ["first", "second"]
+    keys = await pool.fetch("SELECT idempotency_key FROM dedup.processed ORDER BY 1")
+    assert [r["idempotency_key"] for r in keys] == ["a", "b"]

@@ -90,21 +90,27 @@ async def test_a_lane_alone_waits_for_the_others_and_keeps_them_out() -> None:
     assert order == ["a in", "a out", "alone in", "alone out", "c in", "c out"]
 
 
-async def test_after_a_deadlock_lanes_run_one_at_a_time() -> None:
+async def test_after_a_deadlock_lanes_still_run_side_by_side_but_none_is_shared() -> None:
+    # Serial lanes overlap their transactions; their handlers take turns in
+    # Postgres (tests/integration/test_lanes.py), so no lock wait is cut short.
     pool = lanes.Lanes(pool=None, size=4)
     assert not pool.serial
     pool.deadlocked()
     assert pool.serial
     inside = 0
     most = 0
+    all_in = asyncio.Event()
 
     async def batch() -> None:
         nonlocal inside, most
-        async with pool.lane():
+        async with pool.lane() as lane:
+            assert not lane.shared
             inside += 1
             most = max(most, inside)
-            await asyncio.sleep(0.01)
+            if inside == 4:
+                all_in.set()
+            await all_in.wait()
             inside -= 1
 
-    await asyncio.gather(*(batch() for _ in range(5)))
-    assert most == 1
+    await asyncio.wait_for(asyncio.gather(*(batch() for _ in range(5))), 5)
+    assert most == 4

@@ -28,12 +28,12 @@ SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
  WHERE p.group_id = :group_id
 
 -- name: serialize_group
--- After a deadlock a consumer runs one batch transaction at a time (dedup/_lanes.py).
--- Each such transaction first takes the group's transaction-scoped advisory
--- lock, so the consumers of a group that all deadlocked on hot rows run their
--- batches one at a time across processes too, instead of deadlocking again
--- each time two of them overlap.  Taken before any row lock, it can't be part
--- of a deadlock itself.
+-- After a deadlock the handlers of a consumer group take turns (dedup/_lanes.py):
+-- a batch transaction takes the group's transaction-scoped advisory lock after
+-- its claim and before its handler, so the next batch's claim overlaps this
+-- handler, and consumers of the group that deadlocked on hot rows take turns
+-- across processes too.  Whoever holds it has claimed already and waits for
+-- no claim, so it can't close a deadlock cycle.
 SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext(:group_id))
 
 -- name: advance_partition
