@@ -125,7 +125,8 @@ class Partitions:
         owner.start()
 
     async def _retake(self, tp: TopicPartition, moved: store.Position) -> None:
-        """``dedup offsets`` moved ``tp``: take it with a new token, from the offset it set."""
+        """``dedup offsets`` moved ``tp`` (or Postgres lost our last commits, and with them the
+        offset): take it with a new token, from the offset stored."""
         log.info(
             "consumer %s: %s was moved to offset %s by %r; taking it back",
             self._settings.holder,
@@ -324,6 +325,9 @@ class Partitions:
         if not self.workers or now - self._last_owner_check < self._commit_interval:
             return
         self._last_owner_check = now
+        # Where each idle worker stood before the look: only those still there after it
+        # can tell that Postgres forgot their last commits (a failover).
+        idle = {tp: (o.token, o.expected) for tp, o in self.workers.items() if not o.busy}
         async with self._lanes.lane() as lane:
             try:
                 conn = await lane.connection()
@@ -344,6 +348,8 @@ class Partitions:
             # its fence, which refuses the write and records it (stale_rejected).
             if found is not None and found.token > owner.token and not owner.busy:
                 owner.taken_over(found)
+            elif not owner.busy and idle.get(tp) == (owner.token, owner.expected):
+                owner.check_forgotten(found)
 
     async def commit_kafka(self, *, force: bool = False) -> None:
         """Tell Kafka where Postgres stands, for lag tools; Postgres stays authoritative."""

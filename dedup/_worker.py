@@ -164,6 +164,21 @@ class PartitionWorker:
             )
         self.stop()
 
+    def check_forgotten(self, now: store.Position | None) -> None:
+        """Stop to be taken back from Postgres' offset if it forgot this worker's last commits
+        (an older token or offset than this worker stored, or no row: a failover)."""
+        if _forgotten(now, self.token, self.expected):
+            log.warning(
+                "%s: Postgres holds %s, behind our token %d offset %s: our last commits were "
+                "lost (a failover?); consuming again from its offset",
+                self.tp,
+                now,
+                self.token,
+                self.expected,
+            )
+            self.moved = now or store.Position(self._s.holder, 0, None)
+            self.stop()
+
     @property
     def wants_records(self) -> bool:
         """True while less than a batch (or MIN_QUEUED records) waits behind the one in flight."""
@@ -286,11 +301,16 @@ class PartitionWorker:
     async def _refused(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> bool:
         """The fence refused a write: True if the partition is still ours from ``self.expected``.
 
-        A fence fails for one of three reasons:
+        A fence fails for one of four reasons:
 
         - a COMMIT of ours succeeded on the server but its answer never came
           back, so the retry fenced on the old offset: our token still holds
           the partition, at a later offset (True, ``expected`` moved there);
+        - Postgres lost commits of ours (a failover to an asynchronous standby,
+          a restore from a backup): the row shows our token at an earlier
+          offset, an older token, or no row at all.  The effects of the lost
+          commits went with them, so the partition is taken back from the
+          stored offset (``moved``) and Kafka delivers those records again;
         - an operator's ``dedup offsets`` moved the partition: stop, and the
           consumer takes it back from the offset the operator set (``moved``);
         - another consumer took it: stop until Kafka assigns it to us again.
@@ -308,6 +328,10 @@ class PartitionWorker:
                 return True
         elif now is not None and offsets.is_operator(now.holder):
             self.moved = now
+            return False
+        if _forgotten(now, self.token, self.expected):
+            # Nobody took it: Postgres forgot what we wrote, our token or offset with it.
+            self.check_forgotten(now)
             return False
         await self._lose(lane, exc)
         return False
@@ -448,3 +472,15 @@ def take_key(
             return None
         return store.DeadLetter(msg, f"no idempotency key: {exc}")
     return None
+
+
+def _forgotten(now: store.Position | None, token: int, expected: int | None) -> bool:
+    """True when the partition's row is behind what this holder stored: no row, an
+    older token, or its token at an earlier offset (Postgres lost commits)."""
+    if now is None or now.token < token:
+        return True
+    return (
+        now.token == token
+        and expected is not None
+        and (now.next_offset is None or now.next_offset < expected)
+    )

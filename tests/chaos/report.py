@@ -41,6 +41,10 @@ class Result:
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
     broken: str | None = None
+    lost_commits: int | None = None
+    """Failover runs: acknowledged commits the promoted standby does not hold."""
+    reapplied: int | None = None
+    """Failover runs: records of those lost commits applied again, exactly once."""
 
     @property
     def worst_recovery(self) -> float | None:
@@ -56,7 +60,12 @@ class Result:
             f" stale-refused={self.stale_refused} stale-committed={self.stale_committed}"
             f" duplicates-suppressed={self.duplicates} deadlocks={self.deadlocks}"
             f" worst-recovery={'-' if worst is None else f'{worst:.1f}s'}"
-            f" violations={len(self.violations)} time={self.seconds:.0f}s"
+            + (
+                f" lost-commits={self.lost_commits} reapplied-once={self.reapplied}"
+                if self.lost_commits is not None
+                else ""
+            )
+            + f" violations={len(self.violations)} time={self.seconds:.0f}s"
         )
 
 
