@@ -136,7 +136,11 @@ class Partitions:
         )
         self._kafka.pause(tp)  # records fetched from the old position must not reach a worker
         taken = await self._take([(tp.topic, tp.partition)])
-        self._own(tp, *taken[(tp.topic, tp.partition)])
+        token, stored = taken[(tp.topic, tp.partition)]
+        self._own(tp, token, stored)
+        if stored is None and moved.next_offset is not None:
+            # Postgres lost the partition's row: back to where our worker began.
+            self._kafka.seek(tp, moved.next_offset)
 
     async def _take(
         self, wanted: list[tuple[str, int]]

@@ -92,6 +92,8 @@ class PartitionWorker:
         self.token = token
         self.expected = next_offset
         """The partition's next_offset in Postgres as this worker last left it."""
+        self.began = next_offset
+        """Where this worker began: the stored offset, or else the first record it was fed."""
         self.committed_to_kafka: int | None = None
         """What Kafka last heard from us (None: tell it, whatever it holds)."""
         self.lost: errors.StaleTokenError | None = None
@@ -133,6 +135,8 @@ class PartitionWorker:
         """Queue fetched records (the consumer feeds only a worker that wants records)."""
         floor = self.expected if self.expected is not None else -1
         self._records.extend(r for r in records if r.offset >= floor)
+        if self.began is None and self._records:
+            self.began = self._records[0].offset
         self._more.set()
         telemetry.consumed.add(len(records), self._consumed)
 
@@ -176,7 +180,8 @@ class PartitionWorker:
                 self.token,
                 self.expected,
             )
-            self.moved = now or store.Position(self._s.holder, 0, None)
+            # No row at all: nothing of this partition survived, so from where we began.
+            self.moved = now or store.Position(self._s.holder, 0, self.began)
             self.stop()
 
     @property
