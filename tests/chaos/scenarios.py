@@ -22,6 +22,9 @@ Environment:
                   of ``make test``), ``full`` (``make chaos``: several seeds,
                   larger counts), ``tiny`` (the docs test's smoke run)
 ``CHAOS_SEED``    run only this seed (with the chosen matrix's sizes)
+
+A scenario without a size for a matrix is not part of it (``failover_sync``
+is left out of ``short``: ``failover`` is the one ``make test`` runs).
 """
 
 from __future__ import annotations
