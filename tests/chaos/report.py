@@ -138,7 +138,10 @@ def write(results: list[Result], matrix: str, seconds: float) -> Path:
     """Write the table to ``CHAOS_REPORT`` (default ``.services/chaos/results.md``)."""
     path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_DIR / "results.md")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(document(results, matrix, seconds) + "\n", encoding="utf-8")
+    text = document(results, matrix, seconds) + "\n"
+    if any(r.lost_commits is not None for r in results):
+        text += "\n" + failover_table(results) + "\n"
+    path.write_text(text, encoding="utf-8")
     return path
 
 
