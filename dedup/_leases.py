@@ -371,7 +371,7 @@ class Watchdog:
                     await self._lose(lost)
                     return
                 log.warning("renewing lease %s failed, retrying: %r", self.lease.resource, exc)
-                if self._conn is not None and _broken(self._conn, exc):
+                if self._conn is not None and db.is_broken(self._conn, exc):
                     # Its connection broke (a Postgres restart, a failover) and can't
                     # come back: renew on connections from the pool from now on.
                     self._conn = None
@@ -387,16 +387,6 @@ class Watchdog:
         outcome = self._on_lost(self.lease, error)
         if inspect.isawaitable(outcome):
             await outcome
-
-
-def _broken(conn: asyncpg.Connection, exc: BaseException) -> bool:
-    """True when ``exc`` left ``conn`` unusable for good (closed, or released by its pool)."""
-    if isinstance(exc, asyncpg.InterfaceError):
-        return True
-    try:
-        return bool(conn.is_closed())
-    except asyncpg.InterfaceError:
-        return True
 
 
 @functools.lru_cache(maxsize=64)

@@ -23,6 +23,7 @@ from aiokafka.structs import TopicPartition
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _lanes as lanes
+from dedup import _refusal as refusal
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 from dedup import _worker as worker
@@ -353,7 +354,9 @@ class Partitions:
             if found is not None and found.token > owner.token and not owner.busy:
                 owner.taken_over(found)
             elif not owner.busy and idle.get(tp) == (owner.token, owner.expected):
-                owner.check_forgotten(found)
+                if refusal.judge(found, owner.token, owner.expected) == refusal.FORGOTTEN:
+                    owner.moved = refusal.resume_at(found, owner, self._settings.holder)
+                    owner.stop()
 
     async def commit_kafka(self, *, force: bool = False) -> None:
         """Tell Kafka where Postgres stands, for lag tools; Postgres stays authoritative."""

@@ -40,6 +40,7 @@ from dedup import _handler as handler_
 from dedup import _lanes as lanes
 from dedup import _message as message_
 from dedup import _offsets as offsets
+from dedup import _refusal as refusal
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 from dedup import keys
@@ -168,22 +169,6 @@ class PartitionWorker:
             )
         self.stop()
 
-    def check_forgotten(self, now: store.Position | None) -> None:
-        """Stop to be taken back from Postgres' offset if it forgot this worker's last commits
-        (an older token or offset than this worker stored, or no row: a failover)."""
-        if _forgotten(now, self.token, self.expected):
-            log.warning(
-                "%s: Postgres holds %s, behind our token %d offset %s: our last commits were "
-                "lost (a failover?); consuming again from its offset",
-                self.tp,
-                now,
-                self.token,
-                self.expected,
-            )
-            # No row at all: nothing of this partition survived, so from where we began.
-            self.moved = now or store.Position(self._s.holder, 0, self.began)
-            self.stop()
-
     @property
     def wants_records(self) -> bool:
         """True while less than a batch (or MIN_QUEUED records) waits behind the one in flight."""
@@ -304,39 +289,20 @@ class PartitionWorker:
                 delay = min(delay * 2, MAX_BACKOFF)
 
     async def _refused(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> bool:
-        """The fence refused a write: True if the partition is still ours from ``self.expected``.
-
-        A fence fails for one of four reasons:
-
-        - a COMMIT of ours succeeded on the server but its answer never came
-          back, so the retry fenced on the old offset: our token still holds
-          the partition, at a later offset (True, ``expected`` moved there);
-        - Postgres lost commits of ours (a failover to an asynchronous standby,
-          a restore from a backup): the row shows our token at an earlier
-          offset, an older token, or no row at all.  The effects of the lost
-          commits went with them, so the partition is taken back from the
-          stored offset (``moved``) and Kafka delivers those records again;
-        - an operator's ``dedup offsets`` moved the partition: stop, and the
-          consumer takes it back from the offset the operator set (``moved``);
-        - another consumer took it: stop until Kafka assigns it to us again.
-        """
+        """The fence refused a write: True if the partition is still ours from ``self.expected``
+        (what the partition's row says happened: :mod:`dedup._refusal`)."""
         conn = await lane.connection()
         now = await self._s.store.position(conn, self._s.group_id, self.tp.topic, self.tp.partition)
-        if now is not None and now.token == self.token:
-            if now.next_offset is not None and (
-                self.expected is None or now.next_offset > self.expected
-            ):
-                log.info(
-                    "%s: a write in doubt had landed; resuming at %d", self.tp, now.next_offset
-                )
-                self.expected = now.next_offset
-                return True
-        elif now is not None and offsets.is_operator(now.holder):
+        verdict = refusal.judge(now, self.token, self.expected)
+        if verdict == refusal.LANDED and now is not None and now.next_offset is not None:
+            log.info("%s: a write in doubt had landed; resuming at %d", self.tp, now.next_offset)
+            self.expected = now.next_offset
+            return True
+        if verdict == refusal.MOVED:
             self.moved = now
             return False
-        if _forgotten(now, self.token, self.expected):
-            # Nobody took it: Postgres forgot what we wrote, our token or offset with it.
-            self.check_forgotten(now)
+        if verdict == refusal.FORGOTTEN:
+            self.moved = refusal.resume_at(now, self, self._s.holder)
             return False
         await self._lose(lane, exc)
         return False
@@ -477,15 +443,3 @@ def take_key(
             return None
         return store.DeadLetter(msg, f"no idempotency key: {exc}")
     return None
-
-
-def _forgotten(now: store.Position | None, token: int, expected: int | None) -> bool:
-    """True when the partition's row is behind what this holder stored: no row, an
-    older token, or its token at an earlier offset (Postgres lost commits)."""
-    if now is None or now.token < token:
-        return True
-    return (
-        now.token == token
-        and expected is not None
-        and (now.next_offset is None or now.next_offset < expected)
-    )
