@@ -21,6 +21,8 @@ strikes.  Faults (``Fault.kind``):
 ``hang``  a record whose handler awaits forever goes to a seeded partition; it
     must be cancelled at ``handler_timeout``, retried and dead-lettered, while
     the owner's other partitions keep moving
+``pg_failover``  replication held up, the primary killed, its standby promoted
+    (a run of :class:`tests.chaos.pg_failover.FailoverRun`, through ``inject_other``)
 
 Recovery time of a fault: from the moment the fault is over (the member died,
 the broker or Postgres answers again; for a pause, from SIGSTOP) until every
