@@ -229,3 +229,13 @@ def is_retriable(exc: BaseException) -> bool:
         exc,
         OSError | asyncio.TimeoutError | asyncpg.InterfaceError | asyncpg.InternalClientError,
     )
+
+
+def is_broken(conn: asyncpg.Connection, exc: BaseException) -> bool:
+    """True when ``exc`` left ``conn`` unusable for good (closed, or released by its pool)."""
+    if isinstance(exc, asyncpg.InterfaceError):
+        return True
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True

@@ -371,6 +371,10 @@ class Watchdog:
                     await self._lose(lost)
                     return
                 log.warning("renewing lease %s failed, retrying: %r", self.lease.resource, exc)
+                if self._conn is not None and db.is_broken(self._conn, exc):
+                    # Its connection broke (a Postgres restart, a failover) and can't
+                    # come back: renew on connections from the pool from now on.
+                    self._conn = None
                 wait = min(self.every, max(deadline - loop.time(), 0.0) / 2)
                 continue
             # The database renewed no earlier than we sent the request.

@@ -23,6 +23,7 @@ from aiokafka.structs import TopicPartition
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _lanes as lanes
+from dedup import _refusal as refusal
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 from dedup import _worker as worker
@@ -125,7 +126,8 @@ class Partitions:
         owner.start()
 
     async def _retake(self, tp: TopicPartition, moved: store.Position) -> None:
-        """``dedup offsets`` moved ``tp``: take it with a new token, from the offset it set."""
+        """``dedup offsets`` moved ``tp`` (or Postgres lost our last commits, and with them the
+        offset): take it with a new token, from the offset stored."""
         log.info(
             "consumer %s: %s was moved to offset %s by %r; taking it back",
             self._settings.holder,
@@ -135,7 +137,11 @@ class Partitions:
         )
         self._kafka.pause(tp)  # records fetched from the old position must not reach a worker
         taken = await self._take([(tp.topic, tp.partition)])
-        self._own(tp, *taken[(tp.topic, tp.partition)])
+        token, stored = taken[(tp.topic, tp.partition)]
+        self._own(tp, token, stored)
+        if stored is None and moved.next_offset is not None:
+            # Postgres lost the partition's row: back to where our worker began.
+            self._kafka.seek(tp, moved.next_offset)
 
     async def _take(
         self, wanted: list[tuple[str, int]]
@@ -324,6 +330,9 @@ class Partitions:
         if not self.workers or now - self._last_owner_check < self._commit_interval:
             return
         self._last_owner_check = now
+        # Where each idle worker stood before the look: only those still there after it
+        # can tell that Postgres forgot their last commits (a failover).
+        idle = {tp: (o.token, o.expected) for tp, o in self.workers.items() if not o.busy}
         async with self._lanes.lane() as lane:
             try:
                 conn = await lane.connection()
@@ -344,6 +353,10 @@ class Partitions:
             # its fence, which refuses the write and records it (stale_rejected).
             if found is not None and found.token > owner.token and not owner.busy:
                 owner.taken_over(found)
+            elif not owner.busy and idle.get(tp) == (owner.token, owner.expected):
+                if refusal.judge(found, owner.token, owner.expected) == refusal.FORGOTTEN:
+                    owner.moved = refusal.resume_at(found, owner, self._settings.holder)
+                    owner.stop()
 
     async def commit_kafka(self, *, force: bool = False) -> None:
         """Tell Kafka where Postgres stands, for lag tools; Postgres stays authoritative."""

@@ -40,6 +40,7 @@ from dedup import _handler as handler_
 from dedup import _lanes as lanes
 from dedup import _message as message_
 from dedup import _offsets as offsets
+from dedup import _refusal as refusal
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 from dedup import keys
@@ -92,6 +93,8 @@ class PartitionWorker:
         self.token = token
         self.expected = next_offset
         """The partition's next_offset in Postgres as this worker last left it."""
+        self.began = next_offset
+        """Where this worker began: the stored offset, or else the first record it was fed."""
         self.committed_to_kafka: int | None = None
         """What Kafka last heard from us (None: tell it, whatever it holds)."""
         self.lost: errors.StaleTokenError | None = None
@@ -133,6 +136,8 @@ class PartitionWorker:
         """Queue fetched records (the consumer feeds only a worker that wants records)."""
         floor = self.expected if self.expected is not None else -1
         self._records.extend(r for r in records if r.offset >= floor)
+        if self.began is None and self._records:
+            self.began = self._records[0].offset
         self._more.set()
         telemetry.consumed.add(len(records), self._consumed)
 
@@ -284,30 +289,20 @@ class PartitionWorker:
                 delay = min(delay * 2, MAX_BACKOFF)
 
     async def _refused(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> bool:
-        """The fence refused a write: True if the partition is still ours from ``self.expected``.
-
-        A fence fails for one of three reasons:
-
-        - a COMMIT of ours succeeded on the server but its answer never came
-          back, so the retry fenced on the old offset: our token still holds
-          the partition, at a later offset (True, ``expected`` moved there);
-        - an operator's ``dedup offsets`` moved the partition: stop, and the
-          consumer takes it back from the offset the operator set (``moved``);
-        - another consumer took it: stop until Kafka assigns it to us again.
-        """
+        """The fence refused a write: True if the partition is still ours from ``self.expected``
+        (what the partition's row says happened: :mod:`dedup._refusal`)."""
         conn = await lane.connection()
         now = await self._s.store.position(conn, self._s.group_id, self.tp.topic, self.tp.partition)
-        if now is not None and now.token == self.token:
-            if now.next_offset is not None and (
-                self.expected is None or now.next_offset > self.expected
-            ):
-                log.info(
-                    "%s: a write in doubt had landed; resuming at %d", self.tp, now.next_offset
-                )
-                self.expected = now.next_offset
-                return True
-        elif now is not None and offsets.is_operator(now.holder):
+        verdict = refusal.judge(now, self.token, self.expected)
+        if verdict == refusal.LANDED and now is not None and now.next_offset is not None:
+            log.info("%s: a write in doubt had landed; resuming at %d", self.tp, now.next_offset)
+            self.expected = now.next_offset
+            return True
+        if verdict == refusal.MOVED:
             self.moved = now
+            return False
+        if verdict == refusal.FORGOTTEN:
+            self.moved = refusal.resume_at(now, self, self._s.holder)
             return False
         await self._lose(lane, exc)
         return False

@@ -3,7 +3,7 @@
     python -m tests.chaos.consumer_child --dsn DSN --bootstrap-servers HOST:PORT \
         --topic T --group G --holder H [--batch-size N] [--hold SECONDS] \
         [--session-timeout-ms MS] [--max-poll-interval-ms MS] [--idle-timeout-ms MS] \
-        [--handler plain|hot-rows|hang]
+        [--handler plain|hot-rows|hang] [--log-commits]
 
 It runs ``dedup.IdempotentConsumer`` with a batch handler that writes one
 ``chaos_effects`` row per applied message: key, partition, offset, and the
@@ -29,7 +29,9 @@ Commands on stdin, one a line, arm a failpoint for the next batch:
 
 Lines on stdout: ``READY <holder>``, ``FAILPOINT <what> <partition> <offset>
 <token>`` right before it strikes, ``HANG <partition> <offset> <token>`` when
-the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM).
+the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM); with
+``--log-commits``, ``COMMITTED <partition> <token> <first offset> <next offset>``
+once a batch's COMMIT returned (its ``chaos_batches`` row is acknowledged).
 
 ``CHAOS_BREAK`` builds a deliberately broken consumer, for the suite's teeth:
 
@@ -39,6 +41,9 @@ the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM).
                   token in ``dedup.partitions`` is off
 ``offset_first``  the offset is stored (and committed) before the batch's writes
 ``outside_tx``    the handler writes through its own connection, not ``tx.conn``
+``kafka_offsets`` the offset the consumer goes on from is its own position, as
+                  if committed to Kafka: where Postgres' stored offset is behind
+                  it (a failover lost commits), it is set forward to it first
 
 The batch log, the failpoints and the breaks are hooks at the library's fault
 points (:mod:`dedup._faults`); nothing of the library is patched.
@@ -103,7 +108,7 @@ batches and the log of hung handler calls (committed on their own)."""
 
 HANDLERS = ("plain", "hot-rows", "hang")
 
-BREAKS = ("no_fence", "offset_first", "outside_tx")
+BREAKS = ("no_fence", "offset_first", "outside_tx", "kafka_offsets")
 
 
 def say(line: str) -> None:
@@ -138,7 +143,7 @@ class Failpoints:
                 self.armed = line[0]
 
 
-def install(failpoints: Failpoints, holder: str) -> None:
+def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -> None:
     """Hook the consumer's batch transactions: the batch log and the failpoints."""
 
     async def before_commit(
@@ -157,9 +162,13 @@ def install(failpoints: Failpoints, holder: str) -> None:
         )
         failpoints.strike("before_commit", every[0].partition, first, fence.token)
 
-    async def after_commit(*, fence: store.Fence, msgs: Any, dead: Any, **_: Any) -> None:
+    async def after_commit(
+        *, fence: store.Fence, msgs: Any, dead: Any, result: store.BatchResult, **_: Any
+    ) -> None:
         every = [*msgs, *(d.msg for d in dead)]
         first = min(m.offset for m in every)
+        if log_commits:
+            say(f"COMMITTED {every[0].partition} {fence.token} {first} {result.next_offset}")
         failpoints.strike("after_commit", every[0].partition, first, fence.token)
 
     faults.install(faults.Point.BEFORE_COMMIT, before_commit)
@@ -237,12 +246,39 @@ def offset_first(pool: Any) -> None:
     faults.install(faults.Point.BEFORE_FENCE, store_the_offset_first)
 
 
+def offsets_in_kafka() -> None:
+    """``kafka_offsets``: the consumer goes on from its own position, not Postgres' offset.
+
+    What a consumer that commits its offsets to Kafka does: after a failover
+    that lost its last transactions, Postgres' offset is behind, Kafka's is
+    not, and it resumes from Kafka's.  Here, just before the fence, in the
+    batch's transaction, a stored offset behind the fence's is set forward
+    to it, so the fence passes and nothing is consumed again.
+    """
+
+    async def trust_the_position(
+        *, conn: Any, fence: store.Fence, topic: str, partition: int, **_: Any
+    ) -> None:
+        await conn.execute(
+            "UPDATE dedup.partitions SET next_offset = $1, token = greatest(token, $5)"
+            ' WHERE group_id = $2 AND topic = $3 AND "partition" = $4'
+            " AND token <= $5 AND next_offset < $1",
+            fence.expected,
+            fence.group_id,
+            topic,
+            partition,
+            fence.token,
+        )
+
+    faults.install(faults.Point.BEFORE_FENCE, trust_the_position)
+
+
 async def main(args: argparse.Namespace) -> None:
     broken = os.environ.get("CHAOS_BREAK") or None
     if broken not in (None, *BREAKS):
         raise SystemExit(f"CHAOS_BREAK={broken!r}: expected one of {', '.join(BREAKS)}")
     failpoints = Failpoints()
-    install(failpoints, args.holder)
+    install(failpoints, args.holder, log_commits=args.log_commits)
     pool = await db.create_pool(
         args.dsn,
         min_size=1,
@@ -325,6 +361,8 @@ async def main(args: argparse.Namespace) -> None:
         unfence()
     elif broken == "offset_first":
         offset_first(pool)
+    elif broken == "kafka_offsets":
+        offsets_in_kafka()
     listener = asyncio.create_task(failpoints.listen())
     say(f"READY {args.holder}")
     try:
@@ -344,6 +382,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-poll-interval-ms", type=int, default=300_000)
     p.add_argument("--idle-timeout-ms", type=int, default=4000)
     p.add_argument("--handler", choices=HANDLERS, default="plain")
+    p.add_argument("--log-commits", action="store_true")
     return p.parse_args(argv)
 
 

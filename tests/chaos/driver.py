@@ -21,6 +21,8 @@ strikes.  Faults (``Fault.kind``):
 ``hang``  a record whose handler awaits forever goes to a seeded partition; it
     must be cancelled at ``handler_timeout``, retried and dead-lettered, while
     the owner's other partitions keep moving
+``pg_failover``  replication held up, the primary killed, its standby promoted
+    (a run of :class:`tests.chaos.pg_failover.FailoverRun`, through ``inject_other``)
 
 Recovery time of a fault: from the moment the fault is over (the member died,
 the broker or Postgres answers again; for a pause, from SIGSTOP) until every
@@ -183,6 +185,8 @@ class ConsumerRun(Run):
         self.recovering: asyncio.Future[None] | None = None
         self.producer: Any = None
         self.hangs = 0
+        self.member_args: list[str] = []
+        """More options for every consumer child (a subclass's)."""
 
     # ---------------------------------------------------------- members --
 
@@ -196,6 +200,7 @@ class ConsumerRun(Run):
             *("--max-poll-interval-ms", str(o.max_poll_interval_ms)),
             *("--idle-timeout-ms", str(o.idle_timeout_ms)),
             *("--handler", o.handler),
+            *self.member_args,
         ]
         env = {"CHAOS_BREAK": self.broken} if self.broken else {}
         child = await self.spawn("tests.chaos.consumer_child", args, name, env)
@@ -435,7 +440,7 @@ class ConsumerRun(Run):
         elif kind == "hang":
             await self._hang(f)
         else:
-            raise AssertionError(f"unknown fault kind {kind!r}")
+            await self.inject_other(f)
         self.result.faults += 1
         await self.snap(f"after {kind}")
         if self.recovering is not None and kind not in OVERLAPPING:
@@ -446,6 +451,10 @@ class ConsumerRun(Run):
                 self.violation(f"no recovery within {RECOVERY_WITHIN:.0f}s after {f.describe()}")
                 await self.diagnose_stall()
         self.recovering = None
+
+    async def inject_other(self, f: scenarios.Fault) -> None:
+        """A fault of a subclass's own kind (see :mod:`tests.chaos.pg_failover`)."""
+        raise AssertionError(f"unknown fault kind {f.kind!r}")
 
     async def _kill_in_batch(self, f: scenarios.Fault, when: str) -> None:
         child = await self.pick_owner(f.pick)
@@ -855,7 +864,11 @@ async def run(
     scenario = scenarios.SCENARIOS[name]
     matrix = matrix or scenarios.matrix()
     the_run: Run
-    if scenario.tasks:
+    if scenario.replica:
+        from tests.chaos import pg_failover  # it builds on this module
+
+        the_run = pg_failover.FailoverRun(ctx, scenario, seed, matrix, broken)
+    elif scenario.tasks:
         the_run = TaskRunRun(ctx, scenario, seed, matrix)
     else:
         the_run = ConsumerRun(ctx, scenario, seed, matrix, broken)

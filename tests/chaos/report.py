@@ -14,6 +14,8 @@ from tests.chaos.services import DEFAULT_DIR, ROOT
 DOCS = ROOT / "docs" / "reliability.md"
 TABLE_START = "<!-- chaos-table:start -->"
 TABLE_END = "<!-- chaos-table:end -->"
+FAILOVER_START = "<!-- failover-table:start -->"
+FAILOVER_END = "<!-- failover-table:end -->"
 
 
 @dataclass
@@ -41,6 +43,10 @@ class Result:
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
     broken: str | None = None
+    lost_commits: int | None = None
+    """Failover runs: acknowledged commits the promoted standby does not hold."""
+    reapplied: int | None = None
+    """Failover runs: records of those lost commits applied again, exactly once."""
 
     @property
     def worst_recovery(self) -> float | None:
@@ -56,7 +62,12 @@ class Result:
             f" stale-refused={self.stale_refused} stale-committed={self.stale_committed}"
             f" duplicates-suppressed={self.duplicates} deadlocks={self.deadlocks}"
             f" worst-recovery={'-' if worst is None else f'{worst:.1f}s'}"
-            f" violations={len(self.violations)} time={self.seconds:.0f}s"
+            + (
+                f" lost-commits={self.lost_commits} reapplied-once={self.reapplied}"
+                if self.lost_commits is not None
+                else ""
+            )
+            + f" violations={len(self.violations)} time={self.seconds:.0f}s"
         )
 
 
@@ -93,6 +104,24 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def failover_table(results: list[Result]) -> str:
+    """One Markdown row per failover run: the acknowledged commits it lost, and what came again."""
+    rows = [
+        "| scenario | seed | commits acknowledged lost | their records applied again once "
+        "| lost | doubled | recovery after the promotion |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        if r.lost_commits is None:
+            continue
+        worst = r.worst_recovery
+        rows.append(
+            f"| {r.scenario} | {r.seed} | {r.lost_commits} | {r.reapplied} | {r.lost}"
+            f" | {r.doubled} | {'-' if worst is None else f'{worst:.1f} s'} |"
+        )
+    return "\n".join(rows)
+
+
 def document(results: list[Result], matrix: str, seconds: float) -> str:
     """The table with a line that says when, where and how long."""
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -109,7 +138,10 @@ def write(results: list[Result], matrix: str, seconds: float) -> Path:
     """Write the table to ``CHAOS_REPORT`` (default ``.services/chaos/results.md``)."""
     path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_DIR / "results.md")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(document(results, matrix, seconds) + "\n", encoding="utf-8")
+    text = document(results, matrix, seconds) + "\n"
+    if any(r.lost_commits is not None for r in results):
+        text += "\n" + failover_table(results) + "\n"
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -120,4 +152,11 @@ def update_docs(results: list[Result], matrix: str, seconds: float) -> None:
     if not pattern.search(text):
         raise ValueError(f"{DOCS} has no {TABLE_START} ... {TABLE_END} block")
     block = f"{TABLE_START}\n{document(results, matrix, seconds)}\n{TABLE_END}"
-    DOCS.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
+    text = pattern.sub(lambda _: block, text)
+    if any(r.lost_commits is not None for r in results):
+        failover = re.compile(
+            re.escape(FAILOVER_START) + ".*?" + re.escape(FAILOVER_END), re.DOTALL
+        )
+        block = f"{FAILOVER_START}\n{failover_table(results)}\n{FAILOVER_END}"
+        text = failover.sub(lambda _: block, text)
+    DOCS.write_text(text, encoding="utf-8")

@@ -22,6 +22,9 @@ Environment:
                   of ``make test``), ``full`` (``make chaos``: several seeds,
                   larger counts), ``tiny`` (the docs test's smoke run)
 ``CHAOS_SEED``    run only this seed (with the chosen matrix's sizes)
+
+A scenario without a size for a matrix is not part of it (``failover_sync``
+is left out of ``short``: ``failover`` is the one ``make test`` runs).
 """
 
 from __future__ import annotations
@@ -135,6 +138,9 @@ class Scenario:
     options: ConsumerOptions = field(default_factory=ConsumerOptions)
     traffic: Traffic = field(default_factory=Traffic)
     tasks: bool = False
+    replica: str = ""
+    """``async`` / ``sync``: the run has a streaming standby of that kind
+    (:mod:`tests.chaos.pg_failover`)."""
 
 
 def _spread(rng: random.Random, n: int, start: float, gap: float) -> list[float]:
@@ -247,6 +253,12 @@ def tasks_schedule(rng: random.Random, size: Size) -> list[Fault]:
     ]
     faults.append(Fault(0.0, "force_rerun", pick=rng.random(), member=rng.randrange(size.faults)))
     return faults
+
+
+def failover_schedule(rng: random.Random, size: Size) -> list[Fault]:
+    """One failover: replication held up ``wait`` seconds, the primary killed, the standby
+    promoted; a task runner works through it."""
+    return [Fault(rng.uniform(1.0, 2.0), "pg_failover", wait=rng.uniform(1.0, 2.0))]
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -362,6 +374,28 @@ SCENARIOS: dict[str, Scenario] = {
             },
             tasks_schedule,
             tasks=True,
+        ),
+        Scenario(
+            "failover",
+            "Postgres failover: the primary SIGKILLed with replication lagging, the "
+            "asynchronous standby promoted; clients follow a multi-host DSN",
+            {
+                "tiny": Size(messages=400, faults=1, rate=100),
+                "short": Size(messages=500, faults=1, rate=100),
+                "full": Size(messages=1500, faults=1, partitions=4, consumers=3, rate=120),
+            },
+            failover_schedule,
+            replica="async",
+        ),
+        Scenario(
+            "failover_sync",
+            "the same failover with a synchronous standby (synchronous_commit = on)",
+            {
+                "tiny": Size(messages=400, faults=1, rate=100),
+                "full": Size(messages=1500, faults=1, partitions=4, consumers=3, rate=120),
+            },
+            failover_schedule,
+            replica="sync",
         ),
     ]
 }

@@ -23,10 +23,22 @@ from dedup_dev.services import ROOT, read_env
 SCRIPTS = ROOT / "compose" / "local"
 SHARED_DIR = ROOT / ".services"
 DEFAULT_DIR = SHARED_DIR / "chaos"
-PORTS = {"postgres/port": 25433, "kafka/port": 29094, "kafka/controller-port": 29095}
+PORT_OFFSET = int(os.environ.get("CHAOS_PORT_OFFSET") or 0)
+"""``CHAOS_PORT_OFFSET``: added to every port below, so two checkouts can run the
+suite side by side (each on its own ``.services/chaos``)."""
+PORTS = {
+    name: port + PORT_OFFSET
+    for name, port in {
+        "postgres/port": 25433,
+        "kafka/port": 29094,
+        "kafka/controller-port": 29095,
+    }.items()
+}
 """Far from 5432/9092: `up` elsewhere scans upwards from those for a free port, and
 would take ours while a fault has our service down (then ours could not come back
 on its port)."""
+STANDBY_PORT = 25434 + PORT_OFFSET
+"""The streaming standby of the failover scenarios (:mod:`tests.chaos.pg_failover`)."""
 
 
 class ServicesError(Exception):

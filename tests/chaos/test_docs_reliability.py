@@ -1,6 +1,6 @@
 """The commands of docs/reliability.md run, and its table is a full-matrix table with no loss.
 
-``make chaos`` itself takes 15-20 minutes, so it is checked by what it runs
+``make chaos`` itself takes 20-25 minutes, so it is checked by what it runs
 (``make -n chaos`` must expand to the page's description of it); the page's
 rerun command runs for real, in its own pytest process, with the one change of
 ``CHAOS_MATRIX=full`` to ``tiny`` so it stays cheap.  The nested session uses

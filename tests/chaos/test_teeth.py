@@ -48,3 +48,14 @@ async def test_a_write_outside_the_transaction_is_applied_twice(
     print(result.line())
     assert [f for f in result.violations if "did not complete" in f] == []
     assert result.doubled > 0, result.violations
+
+
+async def test_offsets_in_kafka_lose_what_a_failover_lost(chaos_run: driver.RunContext) -> None:
+    # The failover loses the commits made while replication was held up; Postgres'
+    # offsets go back with them, but this consumer goes on from its own position
+    # (as from offsets committed to Kafka): their records are never applied again.
+    result = await driver.run(chaos_run, "failover", 1, matrix="tiny", broken="kafka_offsets")
+    print(result.line())
+    assert [f for f in result.violations if "did not complete" in f] == []
+    assert result.lost_commits
+    assert result.lost > 0, result.violations

@@ -25,6 +25,7 @@ from tests.support import docs as docs_support
 
 PAGE = ROOT / "docs" / "operations.md"
 DASHBOARD = "## Dashboard and metrics endpoint"
+FAILOVER = "## Against a replicated Postgres"
 SERVICES_DIR = Path(os.environ.get("DEDUP_SERVICES_DIR") or ROOT / ".services")
 # Where the local pgbouncer's settings differ by machine, not by meaning.
 LOCAL_SETTINGS = {"listen_port"}
@@ -68,8 +69,10 @@ async def test_every_snippet_of_the_pooler_section_runs_as_written(
         port = (SERVICES_DIR / "pgbouncer" / "port").read_text().strip()
         return text.replace("127.0.0.1:6432/", f"127.0.0.1:{port}/")
 
-    # The dashboard section's command runs in tests/integration/test_prometheus.py.
+    # The dashboard section's command runs in tests/integration/test_prometheus.py, the
+    # failover section's against a real standby in tests/chaos/test_docs_failover.py.
     text = docs_support.outside(PAGE.read_text(encoding="utf-8"), DASHBOARD)
+    text = docs_support.outside(text, FAILOVER)
     blocks = docs_support.checked_snippets(PAGE.name, text)
     assert [language for language, _ in blocks] == ["ini", "console", "sql", "python", "console"]
     (_, ini), (_, start), (_, tables), (_, service), (_, commands) = blocks
