@@ -31,7 +31,7 @@ log = logging.getLogger("dedup.worker")
 async def transaction(
     lane: lanes.Lane,
     settings: worker.Settings,
-    serial: bool,
+    turn: lanes.Turn | None,
     tp: TopicPartition,
     fence: store.Fence,
     msgs: list[message_.Message],
@@ -40,8 +40,8 @@ async def transaction(
 ) -> store.BatchResult:
     """Apply ``msgs`` and write ``dead`` in one transaction on ``lane``, under ``fence``.
 
-    ``serial``: the lanes deadlocked lately, so the handler waits for its turn
-    in the group (:mod:`dedup._lanes`).  Raises what the store raises.
+    ``turn``: the lanes deadlocked lately, so the handler waits for its turn
+    (:mod:`dedup._lanes`).  Raises what the store raises.
 
     Traced as the conventions have it: a CONSUMER span ``process <topic>`` for
     the batch, an INTERNAL span ``dedup transaction`` for the transaction (the
@@ -59,7 +59,7 @@ async def transaction(
     try:
         with telemetry.consumer_span(f"process {tp.topic}", attributes, links):
             conn = await lane.connection()
-            result, elapsed = await _transaction(lane, conn, s, serial, fence, msgs, dead)
+            result, elapsed = await _transaction(lane, conn, s, turn, fence, msgs, dead)
     except BaseException as exc:
         measured["error.type"] = semconv.error_type(exc)
         raise
@@ -73,7 +73,7 @@ async def _transaction(
     lane: lanes.Lane,
     conn: Any,
     s: worker.Settings,
-    serial: bool,
+    turn: lanes.Turn | None,
     fence: store.Fence,
     msgs: list[message_.Message],
     dead: list[store.DeadLetter],
@@ -83,7 +83,7 @@ async def _transaction(
     attributes = {
         "dedup.namespace": s.namespace,
         "dedup.token": fence.token,
-        "dedup.serial": serial,
+        "dedup.serial": turn is not None,
     }
     with telemetry.internal_span("dedup transaction", attributes):
         started = time.perf_counter()
@@ -91,40 +91,53 @@ async def _transaction(
         with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema)):
             await tx.start()
         try:
-            result = await s.store.apply(
-                conn,
-                msgs,
-                handler=s.handler,
-                batch_handler=s.batch_handler,
-                fence=fence,
-                dead=dead,
-                handler_timeout=s.handler_timeout,
-                idle_timeout=s.idle_timeout,
-                lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
-                # Deadlocked lately: the handlers of the group take turns.
-                turn_of=s.group_id if serial else None,
-            )
-            await faults.point(
-                faults.Point.BEFORE_COMMIT,
-                conn=conn,
-                fence=fence,
-                msgs=msgs,
-                dead=dead,
-                result=result,
-            )
-        except BaseException:
-            # As asyncpg's `async with conn.transaction()` does: roll back, and a
-            # failed rollback raises in place of the batch's error (chained to it).
-            with db_telemetry.db_call(conn, db_telemetry.Call("ROLLBACK", "ROLLBACK", schema)):
-                await tx.rollback()
-            raise
-        with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema)):
-            await tx.commit()
+            try:
+                result = await _apply(lane, conn, s, turn, fence, msgs, dead)
+            except BaseException:
+                # As asyncpg's `async with conn.transaction()` does: roll back, and a
+                # failed rollback raises in place of the batch's error (chained to it).
+                rollback = db_telemetry.Call("ROLLBACK", "ROLLBACK", schema)
+                with db_telemetry.db_call(conn, rollback):
+                    await tx.rollback()
+                raise
+            with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema)):
+                await tx.commit()
+        finally:
+            if turn is not None:
+                turn.end()  # the transaction ended, the group's turn with it
         elapsed = time.perf_counter() - started
         await faults.point(
             faults.Point.AFTER_COMMIT, fence=fence, msgs=msgs, dead=dead, result=result
         )
     return result, elapsed
+
+
+async def _apply(
+    lane: lanes.Lane,
+    conn: Any,
+    s: worker.Settings,
+    turn: lanes.Turn | None,
+    fence: store.Fence,
+    msgs: list[message_.Message],
+    dead: list[store.DeadLetter],
+) -> store.BatchResult:
+    """The batch's statements between BEGIN and COMMIT."""
+    result = await s.store.apply(
+        conn,
+        msgs,
+        handler=s.handler,
+        batch_handler=s.batch_handler,
+        fence=fence,
+        dead=dead,
+        handler_timeout=s.handler_timeout,
+        idle_timeout=s.idle_timeout,
+        lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
+        turn=turn,
+    )
+    await faults.point(
+        faults.Point.BEFORE_COMMIT, conn=conn, fence=fence, msgs=msgs, dead=dead, result=result
+    )
+    return result
 
 
 def _messaging(s: worker.Settings, tp: TopicPartition) -> dict[str, Any]:

@@ -191,8 +191,8 @@ class IdempotentConsumer:
         (applied), ``duplicates``, ``conflicts``, ``dead_lettered`` (conflicts
         included under the default policy), ``stale`` (batches refused by the
         fence), ``retries``, ``deadlocks`` (batches that deadlocked with another
-        partition's and ran again alone), ``lock_waits`` (batches that ran again
-        alone after waiting past ``lanes.LOCK_WAIT`` for a row lock while other
+        partition's and ran again under a turn), ``lock_waits`` (batches that ran
+        again under a turn after waiting past ``lanes.LOCK_WAIT`` for a row lock while other
         partitions' transactions ran), ``batches`` (transactions committed).
         """
         return types.MappingProxyType(self._stats)

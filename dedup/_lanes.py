@@ -4,21 +4,25 @@ A lane keeps its connection from one transaction to the next.  :class:`Lanes`
 lends them to the partition workers, so at most ``concurrency`` batches run at
 once, and says when their handlers must take turns: when two lanes'
 transactions deadlock (handlers that update the same hot rows in different
-orders), the batch that lost runs again *alone*, with no other lane's
-transaction open, and the lanes then turn *serial* for a cool-down that doubles
-while deadlocks keep coming.  A hot-row workload so costs at most one retry per
-deadlocked batch, and never storms.
+orders), the lanes turn *serial* for a cool-down that doubles while deadlocks
+keep coming, and the batch that lost runs again at once, under a turn.
 
-Serial lanes still run side by side, but only one transaction of the group at
-a time runs its handler: each takes the group's transaction-scoped advisory
-lock (``serialize_group`` in the named queries) after its claim and before its
-handler, and keeps it until it ends.  So the next batch's BEGIN and claim run
-while the current one's handler does, which makes a hot-row workload on the
-default lanes faster than on one lane (``make bench``, arm ``hot_rows``); and
-since every consumer of the group takes the same lock, consumers that
-deadlocked each other take turns across processes too.  The lock is taken
-after the claim's locks, yet it can't close a cycle: whoever holds it has
-claimed already, and none of its remaining statements waits for a claim.
+Serial lanes still run side by side, but their handlers take turns: a batch
+claims its keys, then waits for its :class:`Turn` before its handler runs, and
+keeps it until its transaction ends.  So the next batch's BEGIN and claim run
+while the current one's handler does.  The turn is first the consumer's own
+(an asyncio lock), then the group's (a transaction-scoped advisory lock,
+``serialize_group`` in the named queries), so consumers of the group that
+deadlocked each other take turns too.  That lock is taken after the claim's
+locks, yet can't close a cycle: whoever holds it has claimed already, and
+none of its remaining statements waits for a claim.  A batch that waits
+first drops its claim's snapshot (``drop_snapshot``): held, it would keep
+Postgres from pruning the dead versions the handler that runs meanwhile
+leaves on the hot rows, and make every update of theirs slower.
+
+So a hot-row batch costs at most one retry: run again under a turn, its
+handler meets no other turn's rows, and a transaction begun before the lanes
+turned serial gives its rows up within :data:`LOCK_WAIT` (below).
 
 Postgres looks for a deadlock only after a lock wait of ``deadlock_timeout``
 (1 s by default, settable by superusers only), once per waiting transaction:
@@ -26,8 +30,8 @@ four lanes tangled on hot rows untangle one second at a time.  So a
 transaction on a shared lane waits at most :data:`LOCK_WAIT` for a row lock
 (``lock_timeout``, set for that transaction only by the batch's first
 statement); past it the batch is handled as if it had deadlocked (see
-:func:`contended`).  A lane lent alone, or while the lanes are serial, waits as
-long as the session's own ``lock_timeout`` says.
+:func:`contended`).  A lane lent while the lanes are serial, or the only one,
+waits as long as the session's own ``lock_timeout`` says.
 """
 
 from __future__ import annotations
@@ -47,18 +51,39 @@ SERIAL_COOLDOWN = 30.0
 """Seconds the lanes stay serial after a deadlock (doubling, up to MAX_SERIAL_COOLDOWN)."""
 MAX_SERIAL_COOLDOWN = 600.0
 LOCK_WAIT = 0.2
-"""Seconds a transaction on a shared lane waits for a row lock before its batch runs again alone."""
+"""Seconds a transaction on a shared lane waits for a row lock before it counts as deadlocked."""
 
 
 def contended(exc: BaseException, shared: bool) -> bool:
     """True when ``exc`` says a batch ran into another transaction's row locks.
 
     A deadlock, or, on a lane lent shared, a lock wait past :data:`LOCK_WAIT`.
-    Such a batch runs again alone, and :meth:`Lanes.deadlocked` is told.
+    Such a batch runs again under a turn, and :meth:`Lanes.deadlocked` is told.
     """
     if isinstance(exc, asyncpg.DeadlockDetectedError):
         return True
     return shared and isinstance(exc, asyncpg.LockNotAvailableError)
+
+
+class Turn:
+    """A serial batch's turn to run its handler: the consumer's, then its group's."""
+
+    def __init__(self, mine: asyncio.Lock, group_id: str) -> None:
+        self._mine = mine
+        self.group_id = group_id
+        """Whose advisory lock is the group's turn (``serialize_group``)."""
+        self._held = False
+
+    async def wait(self) -> None:
+        """Wait for the consumer's turn (the caller then takes the group's in Postgres)."""
+        await self._mine.acquire()
+        self._held = True
+
+    def end(self) -> None:
+        """The transaction ended (the group's turn with it): the next batch's turn."""
+        if self._held:
+            self._held = False
+            self._mine.release()
 
 
 class Lane:
@@ -97,51 +122,39 @@ class Lane:
 
 
 class Lanes:
-    """Lends lanes: up to ``size`` side by side, one alone to a batch that deadlocked."""
+    """Lends up to ``size`` lanes side by side; after a deadlock, hands out turns."""
 
     def __init__(self, pool: Any, size: int) -> None:
         self.size = size
         self._free = [Lane(pool) for _ in range(size)]
         self._all = list(self._free)
-        self._busy = 0
-        self._exclusive_waiting = 0
-        self._exclusive = False
         self._serial_until = 0.0
         self._cooldown = SERIAL_COOLDOWN
         self._changed = asyncio.Condition()
+        self._turns = asyncio.Lock()
 
     @property
     def serial(self) -> bool:
         """True while handlers take turns (after a deadlock; see the module docstring)."""
         return time.monotonic() < self._serial_until
 
+    def turn(self, group_id: str) -> Turn | None:
+        """The turn a batch starting now waits for before its handler (None: no turns)."""
+        return Turn(self._turns, group_id) if self.serial else None
+
     @contextlib.asynccontextmanager
-    async def lane(self, *, alone: bool = False) -> AsyncIterator[Lane]:
-        """Borrow a lane; ``alone=True`` waits until no other lane's transaction is open."""
+    async def lane(self) -> AsyncIterator[Lane]:
+        """Borrow a lane, waiting for one to be free."""
         async with self._changed:
-            if alone:
-                self._exclusive_waiting += 1
-                try:
-                    await self._changed.wait_for(lambda: self._busy == 0 and not self._exclusive)
-                finally:
-                    self._exclusive_waiting -= 1
-                self._exclusive = True
-            else:
-                await self._changed.wait_for(self._may_share)
-            self._busy += 1
+            await self._changed.wait_for(lambda: bool(self._free))
             lane = self._free.pop()
-            lane.shared = self.size > 1 and not alone and not self.serial
+            lane.shared = self.size > 1 and not self.serial
         try:
             yield lane
         finally:
             async with self._changed:
-                self._busy -= 1
-                self._exclusive = self._exclusive and not alone
                 self._free.append(lane)
-                self._changed.notify_all()
-
-    def _may_share(self) -> bool:
-        return not (self._exclusive or self._exclusive_waiting or not self._free)
+                self._changed.notify()
 
     def deadlocked(self) -> None:
         """Two lanes deadlocked: handlers take turns for a while (longer each time it recurs)."""

@@ -28,6 +28,7 @@ from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _faults as faults
 from dedup import _handler as handler_
+from dedup import _lanes as lanes
 from dedup import _message as message_
 from dedup import _outcomes as outcomes
 from dedup import _sql as sql
@@ -218,7 +219,7 @@ class Store:
         handler_timeout: float | None = None,
         idle_timeout: float | None = None,
         lock_timeout: float | None = None,
-        turn_of: str | None = None,
+        turn: lanes.Turn | None = None,
     ) -> BatchResult:
         """Apply one batch inside the caller's open transaction (see the module docstring).
 
@@ -227,8 +228,8 @@ class Store:
         records of one partition.  ``idle_timeout`` and ``lock_timeout`` (seconds)
         are the transaction's ``idle_in_transaction_session_timeout`` and
         ``lock_timeout`` from its first statement on (None: the session's own).
-        ``turn_of``: a consumer group whose turn the handler waits for, held
-        until the transaction ends (the lanes turned serial).
+        ``turn``: the handler first waits for it (the lanes turned serial); the
+        caller ends it when the transaction ends.
         """
         result = BatchResult(dead_letters=list(dead))
         first, copies = _first_copies(msgs)
@@ -269,8 +270,8 @@ class Store:
                 )
         await self._sort_claimed(conn, result, rows, first, copies)
         if result.applied:
-            if turn_of is not None:
-                await self.queries.serialize_group.execute(conn, group_id=turn_of)
+            if turn is not None:
+                await self._take_turn(conn, turn)
             await handler_.run(
                 handler,
                 batch_handler=batch_handler,
@@ -284,6 +285,12 @@ class Store:
             )
         await outcomes.record(conn, self.queries, self.namespace, result, fence)
         return result
+
+    async def _take_turn(self, conn: asyncpg.Connection, turn: lanes.Turn) -> None:
+        """Wait for the consumer's turn, then the group's (:mod:`dedup._lanes`)."""
+        await self.queries.drop_snapshot.execute(conn)
+        await turn.wait()
+        await self.queries.serialize_group.execute(conn, group_id=turn.group_id)
 
     async def claim(
         self,

@@ -113,12 +113,14 @@ stale_rejections = _counter(
     "dedup.stale_rejections", "{batch}", "writes refused by a fencing token"
 )
 deadlocks = _counter(
-    "dedup.deadlocks", "{batch}", "batches that deadlocked with another lane and ran again alone"
+    "dedup.deadlocks",
+    "{batch}",
+    "batches that deadlocked with another lane and ran again under a turn",
 )
 lock_waits = _counter(
     "dedup.lock_waits",
     "{batch}",
-    "batches that waited past the lanes' lock wait for a row lock and ran again alone",
+    "batches that waited past the lanes' lock wait for a row lock and ran again under a turn",
 )
 retries = _counter(
     "dedup.retries", "{retry}", "batches, messages and partition takeovers tried again"

@@ -10,7 +10,7 @@ Failure handling, in order of preference:
 
 - a transient error (lost connection, serialization failure, broker hiccup)
   retries the same batch with backoff, for as long as it takes; a deadlock
-  retries it alone (no other lane's transaction open);
+  retries it at once, its handler waiting for its turn (:mod:`dedup._lanes`);
 - a handler error (an exception, ``handler_timeout`` passed, a cancellation, a
   transaction it tried to end) splits the batch in halves until the failing
   message stands alone (no SAVEPOINT per message on the happy path), retries
@@ -238,7 +238,7 @@ class PartitionWorker:
     async def _apply_retrying(self, msgs: Msgs, dead: Dead) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
         delay = 0.1
-        alone = shared = False
+        shared = False
         while True:
             if self.expected is not None:
                 # Tried again after part of the batch committed (a split that went
@@ -248,7 +248,7 @@ class PartitionWorker:
                 if not msgs and not dead:
                     return True
             try:
-                async with self._lanes.lane(alone=alone) as lane:
+                async with self._lanes.lane() as lane:
                     shared = lane.shared
                     try:
                         await self._apply_isolating(lane, msgs, dead)
@@ -268,16 +268,15 @@ class PartitionWorker:
                 self._stats["retries"] += 1
                 telemetry.retries.add(1, self._counted)
                 if lanes.contended(exc, shared):
-                    # Run it again with no other lane's transaction open: it
-                    # cannot deadlock then, so a hot-row batch costs one retry.
+                    # Run it again at once: the lanes are serial now, so its handler
+                    # waits for its turn and meets no other turn's rows (one retry).
                     deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
                     self._stats["deadlocks" if deadlock else "lock_waits"] += 1
                     metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
                     metric.add(1, self._counted)
                     self._lanes.deadlocked()
-                    alone = True
                     log.info(
-                        "batch of %s %s; retrying it alone",
+                        "batch of %s %s; retrying it under a turn",
                         self.tp,
                         "deadlocked with another lane" if deadlock else "waited too long on a lock",
                     )
@@ -394,9 +393,9 @@ class PartitionWorker:
 
     async def _transaction(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> None:
         fence = store.Fence(self._s.group_id, self.token, self.expected)
-        result = await batch.transaction(
-            lane, self._s, self._lanes.serial, self.tp, fence, msgs, dead, self._stats
-        )
+        turn = self._lanes.turn(self._s.group_id)  # after a deadlock, handlers take turns
+        stats = self._stats
+        result = await batch.transaction(lane, self._s, turn, self.tp, fence, msgs, dead, stats)
         self.expected = result.next_offset
 
     async def _lose(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> None:

@@ -66,8 +66,9 @@ async def test_a_batch_on_a_shared_lane_gives_up_a_lock_wait_before_the_deadlock
     assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == 0
 
 
+@pytest.mark.parametrize("same_consumer", [True, False], ids=["one consumer", "two consumers"])
 async def test_on_serial_lanes_a_claim_runs_while_another_handler_holds_the_turn(
-    pool: Any,
+    same_consumer: bool, pool: Any
 ) -> None:
     writes = store.Store(schema="dedup", namespace="lanes")
     in_first = asyncio.Event()
@@ -82,37 +83,54 @@ async def test_on_serial_lanes_a_claim_runs_while_another_handler_holds_the_turn
     async def second_handler(msg: dedup.Message, tx: dedup.Tx) -> None:
         ran.append("second")
 
-    async def batch(conn: Any, key: str, partition: int, handler: Any) -> None:
-        async with conn.transaction():
-            await writes.apply(
-                conn,
-                [one_message(key, partition)],
-                handler=handler,
-                batch_handler=False,
-                fence=None,
-                turn_of="group-a",
-            )
+    # Two batches of one consumer share its turns; two consumers' only the group's.
+    mine = asyncio.Lock()
+    turns = [lanes.Turn(mine if same_consumer else asyncio.Lock(), "group-a") for _ in "ab"]
+
+    async def batch(conn: Any, key: str, partition: int, handler: Any, turn: lanes.Turn) -> None:
+        try:
+            async with conn.transaction():
+                await writes.apply(
+                    conn,
+                    [one_message(key, partition)],
+                    handler=handler,
+                    batch_handler=False,
+                    fence=None,
+                    turn=turn,
+                )
+        finally:
+            turn.end()
 
     async with pool.acquire() as one, pool.acquire() as two:
         second_pid = two.get_server_pid()
-        first = asyncio.create_task(batch(one, "a", 0, first_handler))
+        first = asyncio.create_task(batch(one, "a", 0, first_handler, turns[0]))
         await asyncio.wait_for(in_first.wait(), 10)
-        second = asyncio.create_task(batch(two, "b", 1, second_handler))
+        second = asyncio.create_task(batch(two, "b", 1, second_handler, turns[1]))
 
-        async def waits_for_the_turn() -> bool:
+        async def waits_for_its_turn() -> bool:
             row = await pool.fetchrow(
-                "SELECT wait_event, state FROM pg_stat_activity WHERE pid = $1", second_pid
+                "SELECT wait_event, state, backend_xmin FROM pg_stat_activity WHERE pid = $1",
+                second_pid,
             )
-            return row is not None and row["wait_event"] == "advisory"
+            if row is None:
+                return False
+            if same_consumer:
+                # It waits in the consumer, holding no snapshot that would keep the
+                # hot rows' dead versions from being pruned.
+                return row["state"] == "idle in transaction" and row["backend_xmin"] is None
+            return row["wait_event"] == "advisory"
 
-        await helpers.wait_for(waits_for_the_turn, within=10, what="the second turn's wait")
-        # Its claim ran already: it holds the key's row in dedup.processed.
-        claimed = await pool.fetchval(
-            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
-            " WHERE l.pid = $1 AND c.relname = 'processed' AND l.mode = 'RowExclusiveLock'",
-            second_pid,
-        )
-        assert claimed == 1
+        # Its claim ran already: it holds a lock on dedup.processed for the key it wrote.
+        async def claimed() -> bool:
+            held = await pool.fetchval(
+                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+                " WHERE l.pid = $1 AND c.relname = 'processed' AND l.mode = 'RowExclusiveLock'",
+                second_pid,
+            )
+            return bool(held == 1)
+
+        await helpers.wait_for(claimed, within=10, what="the second batch's claim")
+        await helpers.wait_for(waits_for_its_turn, within=10, what="the second batch's wait")
         assert ran == ["first"]
         release_first.set()
         await asyncio.wait_for(asyncio.gather(first, second), 10)

@@ -58,38 +58,6 @@ def test_other_statements_pass(sql: str) -> None:
     guard.check_statement(sql)
 
 
-async def test_a_lane_alone_waits_for_the_others_and_keeps_them_out() -> None:
-    pool = lanes.Lanes(pool=None, size=3)
-    order: list[str] = []
-    first_in = asyncio.Event()
-    release_first = asyncio.Event()
-
-    async def shared(name: str, hold: asyncio.Event | None = None) -> None:
-        async with pool.lane():
-            order.append(f"{name} in")
-            if hold is not None:
-                first_in.set()
-                await hold.wait()
-            order.append(f"{name} out")
-
-    async def alone() -> None:
-        async with pool.lane(alone=True):
-            order.append("alone in")
-            await asyncio.sleep(0)
-            order.append("alone out")
-
-    a = asyncio.create_task(shared("a", release_first))
-    await first_in.wait()
-    b = asyncio.create_task(alone())
-    await asyncio.sleep(0)
-    c = asyncio.create_task(shared("c"))  # arrives after the exclusive one: waits for it
-    await asyncio.sleep(0)
-    assert order == ["a in"]
-    release_first.set()
-    await asyncio.gather(a, b, c)
-    assert order == ["a in", "a out", "alone in", "alone out", "c in", "c out"]
-
-
 async def test_after_a_deadlock_lanes_still_run_side_by_side_but_none_is_shared() -> None:
     # Serial lanes overlap their transactions; their handlers take turns in
     # Postgres (tests/integration/test_lanes.py), so no lock wait is cut short.

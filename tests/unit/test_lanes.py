@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import asyncpg
@@ -21,17 +22,26 @@ def test_a_deadlock_or_a_lock_wait_on_a_shared_lane_means_contention() -> None:
     assert not lanes.contended(asyncpg.SerializationError("could not serialize"), shared=True)
 
 
-async def test_a_lane_is_shared_unless_lent_alone_or_while_the_lanes_are_serial() -> None:
+async def test_a_lane_is_shared_unless_the_lanes_are_serial_and_then_batches_take_turns() -> None:
     pool = types.SimpleNamespace()  # lending never touches the pool; connection() does
     ls = lanes.Lanes(pool, 4)
     async with ls.lane() as lane:
         assert lane.shared
-    async with ls.lane(alone=True) as lane:
-        assert not lane.shared
+    assert ls.turn("g") is None
     ls.deadlocked()
     assert ls.serial
     async with ls.lane() as lane:
         assert not lane.shared
+    first, second = ls.turn("g"), ls.turn("g")
+    assert first is not None and second is not None
+    await first.wait()
+    waiting = asyncio.create_task(second.wait())
+    await asyncio.sleep(0)
+    assert not waiting.done()  # one handler at a time in the consumer
+    first.end()
+    first.end()  # ending twice (a rollback after a failed commit) frees one turn only
+    await asyncio.wait_for(waiting, 1)
+    second.end()
     async with lanes.Lanes(pool, 1).lane() as lane:  # concurrency=1: nothing to share
         assert not lane.shared
 

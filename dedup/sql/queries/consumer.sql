@@ -27,13 +27,20 @@ SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
     ON p.topic = x.t AND p."partition" = x.part
  WHERE p.group_id = :group_id
 
+-- name: drop_snapshot
+-- A serial batch runs this after its claim, before it waits for its turn
+-- (dedup/_lanes.py): a statement of the simple protocol (no parameters) drops
+-- the claim's unnamed portal, and with it the snapshot that would keep the
+-- hot rows' dead versions from being pruned while it waits.
+SELECT 1
+
 -- name: serialize_group
 -- After a deadlock the handlers of a consumer group take turns (dedup/_lanes.py):
 -- a batch transaction takes the group's transaction-scoped advisory lock after
--- its claim and before its handler, so the next batch's claim overlaps this
--- handler, and consumers of the group that deadlocked on hot rows take turns
--- across processes too.  Whoever holds it has claimed already and waits for
--- no claim, so it can't close a deadlock cycle.
+-- its claim and the consumer's own turn, before its handler, so the next
+-- batch's claim overlaps this handler, and consumers of the group that
+-- deadlocked on hot rows take turns across processes too.  Whoever holds it
+-- has claimed already and waits for no claim, so it can't close a deadlock cycle.
 SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext(:group_id))
 
 -- name: advance_partition
