@@ -156,6 +156,9 @@ class Run:
 class ConsumerRun(Run):
     """One run of a consumer scenario."""
 
+    replication_factor = 1
+    """Of the run's topic (the three-broker runs of :mod:`tests.chaos.kafka_cluster`: 3)."""
+
     def __init__(
         self,
         ctx: RunContext,
@@ -435,7 +438,7 @@ class ConsumerRun(Run):
         elif kind == "hang":
             await self._hang(f)
         else:
-            raise AssertionError(f"unknown fault kind {kind!r}")
+            await self.strike(f)
         self.result.faults += 1
         await self.snap(f"after {kind}")
         if self.recovering is not None and kind not in OVERLAPPING:
@@ -446,6 +449,10 @@ class ConsumerRun(Run):
                 self.violation(f"no recovery within {RECOVERY_WITHIN:.0f}s after {f.describe()}")
                 await self.diagnose_stall()
         self.recovering = None
+
+    async def strike(self, f: scenarios.Fault) -> None:
+        """A fault kind of a subclass (the Kafka cluster's)."""
+        raise AssertionError(f"unknown fault kind {f.kind!r}")
 
     async def _kill_in_batch(self, f: scenarios.Fault, when: str) -> None:
         child = await self.pick_owner(f.pick)
@@ -648,7 +655,9 @@ class ConsumerRun(Run):
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(self.topic, self.size.partitions, 1)])
+            await admin.create_topics(
+                [NewTopic(self.topic, self.size.partitions, self.replication_factor)]
+            )
         finally:
             await admin.close()
         for slot in range(self.size.consumers):
@@ -859,6 +868,11 @@ async def run(
         the_run = TaskRunRun(ctx, scenario, seed, matrix)
     else:
         the_run = ConsumerRun(ctx, scenario, seed, matrix, broken)
+    return await conclude(the_run, matrix)
+
+
+async def conclude(the_run: Run, matrix: str) -> report.Result:
+    """Execute ``the_run`` within the matrix's limit, clean up, print its story."""
     try:
         return await asyncio.wait_for(the_run.execute(), RUN_LIMIT[matrix])
     except (AssertionError, TimeoutError, ServicesError) as exc:
