@@ -26,7 +26,7 @@ from dedup_dev import database
 from tests.chaos import consumer_child, driver, kafka_cluster, report, scenarios, task_child
 from tests.chaos.services import DEFAULT_DIR, ChaosServices, ServicesError
 
-collect_ignore = [] if kafka_cluster.names() else ["test_kafka_cluster.py"]
+collect_ignore = [] if kafka_cluster.names() else ["test_cluster.py"]
 """The tiny matrix (the docs test's smoke run) has no cluster scenario: nothing to collect."""
 
 

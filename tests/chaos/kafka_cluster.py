@@ -262,7 +262,7 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
     s.name: s
     for s in [
         scenarios.Scenario(
-            "leader_kill",
+            "leader_crash",
             "SIGKILL the broker leading a consumed partition (three brokers, RF 3, min ISR 2)",
             {
                 "short": scenarios.Size(messages=300, faults=1, rate=60),
@@ -277,13 +277,13 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
             rolling_schedule,
         ),
         scenarios.Scenario(
-            "controller_kill",
+            "controller_crash",
             "SIGKILL the active KRaft controller (a combined broker and controller)",
             {"full": scenarios.Size(messages=1000, faults=2, partitions=4, consumers=3, rate=80)},
             controller_kill_schedule,
         ),
         scenarios.Scenario(
-            "broker_pause",
+            "broker_freeze",
             "a broker leading a partition SIGSTOPped past its session (fenced), then SIGCONT",
             {"full": scenarios.Size(messages=1000, faults=2, partitions=4, consumers=3, rate=80)},
             pause_schedule,
@@ -348,13 +348,12 @@ class ClusterRun(driver.ConsumerRun):
             await super().strike(f)
             return
         affected = await self.offsets_of(None)
-        t0 = time.monotonic()
+        self.watch(label, time.monotonic(), affected)  # from the signal on, shutdown included
         if sig == signal.SIGSTOP:
             cluster.signal(node, sig)
         else:
             await cluster.stop_node(node, sig)
         self.note(label)
-        self.watch(label, t0, affected)
         if self.recovering is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.recovering), driver.RECOVERY_WITHIN)

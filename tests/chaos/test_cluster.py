@@ -16,7 +16,7 @@ pytestmark = pytest.mark.chaos
 
 @pytest.mark.parametrize("seed", scenarios.seeds(), ids=lambda s: f"seed{s}")
 @pytest.mark.parametrize("scenario", kafka_cluster.names())
-async def test_kafka_cluster(
+async def test_cluster(
     scenario: str,
     seed: int,
     chaos_run: driver.RunContext,
@@ -27,7 +27,7 @@ async def test_kafka_cluster(
     print(result.line())
     rerun = (
         f"CHAOS_SEED={seed} CHAOS_MATRIX={result.matrix} "
-        f".venv/bin/pytest tests/chaos/test_kafka_cluster.py -k {scenario}"
+        f".venv/bin/pytest tests/chaos/test_cluster.py -k {scenario}"
     )
     assert not result.violations, "\n".join([result.line(), *result.violations, f"rerun: {rerun}"])
     assert (result.lost, result.doubled, result.stale_committed) == (0, 0, 0)
