@@ -49,9 +49,10 @@ def chaos_services() -> Iterator[ChaosServices]:
         services.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chaos_kafka_cluster() -> Iterator[kafka_cluster.KafkaCluster]:
-    """The three-broker KRaft cluster of the cluster scenarios, started for this session."""
+    """The three-broker KRaft cluster of the cluster scenarios (test_cluster.py), started for
+    them and stopped after them: its three JVMs don't idle through the rest of the suite."""
     directory = Path(os.environ.get("CHAOS_CLUSTER_DIR") or kafka_cluster.CLUSTER_DIR)
     try:
         cluster = kafka_cluster.KafkaCluster.start(directory)

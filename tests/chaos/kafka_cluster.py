@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import signal
 import statistics
@@ -131,13 +132,13 @@ class KafkaCluster:
     def pid(self, node: int) -> int:
         return int((self.directory / "kafka" / f"node{node}" / "pid").read_text().strip())
 
-    def signal(self, node: int, sig: signal.Signals) -> None:
+    def send_signal(self, node: int, sig: signal.Signals) -> None:
         os.kill(self.pid(node), sig)
 
     def resume_all(self) -> None:
         for node in PORTS:
             with contextlib.suppress(OSError, ValueError):
-                self.signal(node, signal.SIGCONT)
+                self.send_signal(node, signal.SIGCONT)
 
     async def stop_node(self, node: int, sig: signal.Signals) -> None:
         """Send ``sig`` (SIGKILL or SIGTERM) to ``node``; return once it is gone."""
@@ -228,14 +229,14 @@ class KafkaCluster:
 # -------------------------------------------------------------- scenarios --
 
 
-def leader_kill_schedule(rng: Any, size: scenarios.Size) -> list[scenarios.Fault]:
+def leader_crash_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
     return [
         scenarios.Fault(at, "leader_kill", pick=rng.random(), wait=rng.uniform(0.5, 3.0))
         for at in scenarios._spread(rng, size.faults, 1.5, 3.0)
     ]
 
 
-def rolling_schedule(rng: Any, size: scenarios.Size) -> list[scenarios.Fault]:
+def rolling_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
     """Every node once per round, in a seeded order."""
     order = [n for _ in range(max(1, size.faults // NODES)) for n in rng.sample(list(PORTS), NODES)]
     return [
@@ -244,14 +245,14 @@ def rolling_schedule(rng: Any, size: scenarios.Size) -> list[scenarios.Fault]:
     ]
 
 
-def controller_kill_schedule(rng: Any, size: scenarios.Size) -> list[scenarios.Fault]:
+def controller_crash_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
     return [
         scenarios.Fault(at, "controller_kill", wait=rng.uniform(0.5, 3.0))
         for at in scenarios._spread(rng, size.faults, 1.5, 3.0)
     ]
 
 
-def pause_schedule(rng: Any, size: scenarios.Size) -> list[scenarios.Fault]:
+def freeze_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
     return [
         scenarios.Fault(at, "broker_pause", pick=rng.random(), wait=rng.uniform(1.0, 4.0))
         for at in scenarios._spread(rng, size.faults, 1.5, 3.0)
@@ -268,7 +269,7 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
                 "short": scenarios.Size(messages=300, faults=1, rate=60),
                 "full": scenarios.Size(messages=1200, faults=3, partitions=4, consumers=3, rate=80),
             },
-            leader_kill_schedule,
+            leader_crash_schedule,
         ),
         scenarios.Scenario(
             "rolling_restart",
@@ -280,13 +281,13 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
             "controller_crash",
             "SIGKILL the active KRaft controller (a combined broker and controller)",
             {"full": scenarios.Size(messages=1000, faults=2, partitions=4, consumers=3, rate=80)},
-            controller_kill_schedule,
+            controller_crash_schedule,
         ),
         scenarios.Scenario(
             "broker_freeze",
             "a broker leading a partition SIGSTOPped past its session (fenced), then SIGCONT",
             {"full": scenarios.Size(messages=1000, faults=2, partitions=4, consumers=3, rate=80)},
-            pause_schedule,
+            freeze_schedule,
         ),
     ]
 }
@@ -350,7 +351,7 @@ class ClusterRun(driver.ConsumerRun):
         affected = await self.offsets_of(None)
         self.watch(label, time.monotonic(), affected)  # from the signal on, shutdown included
         if sig == signal.SIGSTOP:
-            cluster.signal(node, sig)
+            cluster.send_signal(node, sig)
         else:
             await cluster.stop_node(node, sig)
         self.note(label)
@@ -360,7 +361,7 @@ class ClusterRun(driver.ConsumerRun):
         await asyncio.sleep(f.wait)
         t1 = time.monotonic()
         if sig == signal.SIGSTOP:
-            cluster.signal(node, signal.SIGCONT)
+            cluster.send_signal(node, signal.SIGCONT)
             self.note(f"node {node} continued")
         else:
             await cluster.start_nodes()
@@ -372,12 +373,14 @@ class ClusterRun(driver.ConsumerRun):
         self.note(f"node {node} back in every ISR {took:.1f}s after it came back")
 
 
-async def run(ctx: driver.RunContext, cluster: KafkaCluster, name: str, seed: int) -> report.Result:
+async def run(ctx: driver.RunContext, cluster: KafkaCluster, name: str, seed: int) -> Result:
     """Run one cluster scenario with one seed; the result carries the oracle's findings."""
     matrix = scenarios.matrix()
     await cluster.heal()
     the_run = ClusterRun(ctx, cluster, SCENARIOS[name], seed, matrix)
-    return await driver.conclude(the_run, matrix)
+    result = await driver.conclude(the_run, matrix)
+    assert isinstance(result, Result)
+    return result
 
 
 # ------------------------------------------------------------------ table --
