@@ -2,14 +2,17 @@
 
 ``make test`` runs one leader kill; ``make chaos`` every cluster scenario with
 several seeds.  Each fault's recovery time goes to the cluster table of
-docs/reliability.md.
+docs/reliability.md.  ``compose/local/status`` names the cluster's nodes.
 """
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from tests.chaos import driver, kafka_cluster, scenarios
+from tests.chaos.services import SCRIPTS, script_env
 
 pytestmark = pytest.mark.chaos
 
@@ -33,3 +36,20 @@ async def test_cluster(
     assert (result.lost, result.doubled, result.stale_committed) == (0, 0, 0)
     assert result.faults >= 1, "no fault was injected"
     assert len(result.recoveries) == result.faults, "a fault without its recovery time"
+
+
+def test_status_names_every_node(chaos_kafka_cluster: kafka_cluster.KafkaCluster) -> None:
+    run = subprocess.run(
+        [SCRIPTS / "status", "kafka"],
+        env=script_env(chaos_kafka_cluster.directory),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    nodes = [line.split() for line in run.stdout.splitlines() if line.startswith("kafka ")]
+    addresses = [f"127.0.0.1:{port}" for port, _ in kafka_cluster.PORTS.values()]
+    assert [(n[1], n[2], n[3]) for n in nodes] == [
+        ("running", address, f"node{i}") for i, address in enumerate(addresses, 1)
+    ], run.stdout
+    assert f"KAFKA_BOOTSTRAP_SERVERS={','.join(addresses)}" in run.stdout
