@@ -45,8 +45,9 @@ demo: venv services
 
 # The chaos suite's full matrix (tests/chaos, docs/reliability.md): 20-25 min on
 # its own Kafka and Postgres (.services/chaos; the failover scenarios add a
-# standby there), never the shared pair; the tables go to .services/chaos/results.md
-# and docs/reliability.md.  `make test` runs
+# standby there), never the shared pair, and about as long again for the
+# three-broker cluster's scenarios (.services/chaos-cluster); the tables go to
+# .services/chaos/results*.md and docs/reliability.md.  `make test` runs
 # its short version (one seed per scenario).
 chaos: venv
 	CHAOS_MATRIX=full CHAOS_UPDATE_DOCS=1 $(BIN)/pytest tests/chaos -m chaos

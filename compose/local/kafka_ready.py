@@ -1,7 +1,7 @@
-"""Exit 0 when a Kafka broker answers a Metadata request with at least one broker.
+"""Exit 0 when a Kafka broker answers a Metadata request with at least N brokers (1).
 
 Stdlib only, so ``compose/local/up`` can use it before the project's virtualenv
-exists.  Usage: ``python3 kafka_ready.py HOST:PORT [TIMEOUT_SECONDS]``.
+exists.  Usage: ``python3 kafka_ready.py HOST:PORT [TIMEOUT_SECONDS [N]]``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def broker_count(host: str, port: int) -> int:
 def main() -> int:
     host, _, port = sys.argv[1].rpartition(":")
     deadline = time.monotonic() + float(sys.argv[2] if len(sys.argv) > 2 else 0)
+    need = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     while True:
         try:
-            if broker_count(host, int(port)) > 0:
+            if broker_count(host, int(port)) >= need:
                 return 0
         except (OSError, struct.error):
             pass

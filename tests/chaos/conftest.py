@@ -23,8 +23,11 @@ import pytest
 
 import dedup
 from dedup_dev import database
-from tests.chaos import consumer_child, driver, report, scenarios, task_child
+from tests.chaos import consumer_child, driver, kafka_cluster, report, scenarios, task_child
 from tests.chaos.services import DEFAULT_DIR, ChaosServices, ServicesError
+
+collect_ignore = [] if kafka_cluster.names() else ["test_cluster.py"]
+"""The tiny matrix (the docs test's smoke run) has no cluster scenario: nothing to collect."""
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +47,24 @@ def chaos_services() -> Iterator[ChaosServices]:
         yield services
     finally:
         services.stop()
+
+
+@pytest.fixture(scope="module")
+def chaos_kafka_cluster() -> Iterator[kafka_cluster.KafkaCluster]:
+    """The three-broker KRaft cluster of the cluster scenarios (test_cluster.py), started for
+    them and stopped after them: its three JVMs don't idle through the rest of the suite."""
+    directory = Path(os.environ.get("CHAOS_CLUSTER_DIR") or kafka_cluster.CLUSTER_DIR)
+    try:
+        cluster = kafka_cluster.KafkaCluster.start(directory)
+    except ServicesError as exc:
+        pytest.fail(
+            f"the chaos suite could not start its three-broker Kafka under {directory}: {exc}",
+            pytrace=False,
+        )
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +97,7 @@ async def chaos_run(
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The figures of this session's runs: a table on the terminal, in a file, in the docs."""
+    kafka_cluster.summary(terminalreporter)
     results = report.RESULTS
     if not results:
         return

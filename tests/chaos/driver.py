@@ -158,6 +158,9 @@ class Run:
 class ConsumerRun(Run):
     """One run of a consumer scenario."""
 
+    replication_factor = 1
+    """Of the run's topic (the three-broker runs of :mod:`tests.chaos.kafka_cluster`: 3)."""
+
     def __init__(
         self,
         ctx: RunContext,
@@ -657,7 +660,9 @@ class ConsumerRun(Run):
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(self.topic, self.size.partitions, 1)])
+            await admin.create_topics(
+                [NewTopic(self.topic, self.size.partitions, self.replication_factor)]
+            )
         finally:
             await admin.close()
         for slot in range(self.size.consumers):
@@ -872,6 +877,11 @@ async def run(
         the_run = TaskRunRun(ctx, scenario, seed, matrix)
     else:
         the_run = ConsumerRun(ctx, scenario, seed, matrix, broken)
+    return await conclude(the_run, matrix)
+
+
+async def conclude(the_run: Run, matrix: str) -> report.Result:
+    """Execute ``the_run`` within the matrix's limit, clean up, print its story."""
     try:
         return await asyncio.wait_for(the_run.execute(), RUN_LIMIT[matrix])
     except (AssertionError, TimeoutError, ServicesError) as exc:

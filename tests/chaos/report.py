@@ -6,6 +6,7 @@ import datetime as dt
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,12 +123,18 @@ def failover_table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def document(results: list[Result], matrix: str, seconds: float) -> str:
-    """The table with a line that says when, where and how long."""
+def document(
+    results: list[Result],
+    matrix: str,
+    seconds: float,
+    render: Callable[[list[Result]], str] | None = None,
+) -> str:
+    """The table (``render``, default :func:`table`) with a line that says when, where and
+    how long."""
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     failed = sum(1 for r in results if r.violations)
     return (
-        f"{table(results)}\n\n"
+        f"{(render or table)(results)}\n\n"
         f"Matrix `{matrix}`, {len(results)} runs, {failed} with violations; {seconds / 60:.1f} min "
         f"on {os.cpu_count()} cores ({platform.machine()}, Python {platform.python_version()}), "
         f"{when}."
@@ -147,16 +154,16 @@ def write(results: list[Result], matrix: str, seconds: float) -> Path:
 
 def update_docs(results: list[Result], matrix: str, seconds: float) -> None:
     """Replace the table between the markers of docs/reliability.md (``make chaos`` does)."""
-    text = DOCS.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.DOTALL)
-    if not pattern.search(text):
-        raise ValueError(f"{DOCS} has no {TABLE_START} ... {TABLE_END} block")
-    block = f"{TABLE_START}\n{document(results, matrix, seconds)}\n{TABLE_END}"
-    text = pattern.sub(lambda _: block, text)
+    replace_block(TABLE_START, TABLE_END, document(results, matrix, seconds))
     if any(r.lost_commits is not None for r in results):
-        failover = re.compile(
-            re.escape(FAILOVER_START) + ".*?" + re.escape(FAILOVER_END), re.DOTALL
-        )
-        block = f"{FAILOVER_START}\n{failover_table(results)}\n{FAILOVER_END}"
-        text = failover.sub(lambda _: block, text)
-    DOCS.write_text(text, encoding="utf-8")
+        replace_block(FAILOVER_START, FAILOVER_END, failover_table(results))
+
+
+def replace_block(start: str, end: str, body: str) -> None:
+    """Put ``body`` between the markers ``start`` and ``end`` of docs/reliability.md."""
+    text = DOCS.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"{DOCS} has no {start} ... {end} block")
+    block = f"{start}\n{body}\n{end}"
+    DOCS.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import report, scenarios
+from tests.chaos import kafka_cluster, report, scenarios
 from tests.chaos.services import ROOT, ChaosServices
 
 pytestmark = pytest.mark.chaos
@@ -35,21 +35,28 @@ def commands() -> list[str]:
     return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
-def test_the_page_shows_a_full_matrix_table_without_loss() -> None:
+def check_table(start: str, end: str, names: list[str]) -> list[dict[str, str]]:
+    """The page's table between ``start`` and ``end``: a full-matrix row per scenario of
+    ``names``, none with a message lost or doubled or a stale write committed."""
     text = PAGE.read_text(encoding="utf-8")
-    block = text.split(report.TABLE_START, 1)[1].split(report.TABLE_END, 1)[0]
+    block = text.split(start, 1)[1].split(end, 1)[0]
     rows = [line for line in block.splitlines() if line.startswith("| ") and "---" not in line]
     header, *body = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows)
-    assert [row[0] for row in body] == list(scenarios.SCENARIOS)
-    column = {name: i for i, name in enumerate(header)}
-    for row in body:
-        assert row[column["lost"]] == "0", row
-        assert row[column["doubled"]] == "0", row
-        assert row[column["stale writes committed"]] == "0", row
-        assert int(row[column["faults"]]) > 0, row
-        runs = int(row[column["runs (seeds)"]].split()[0])
+    table = [dict(zip(header, row, strict=True)) for row in body]
+    assert [row["scenario"] for row in table] == names
+    for row in table:
+        assert row["lost"] == "0", row
+        assert row["doubled"] == "0", row
+        assert row["stale writes committed"] == "0", row
+        assert int(row["faults"]) > 0, row
+        runs = int(row["runs (seeds)"].split()[0])
         assert runs >= len(scenarios.SEEDS["full"]), f"not a full-matrix row: {row}"
     assert "Matrix `full`" in block and "0 with violations" in block
+    return table
+
+
+def test_the_page_shows_a_full_matrix_table_without_loss() -> None:
+    check_table(report.TABLE_START, report.TABLE_END, list(scenarios.SCENARIOS))
 
 
 def test_every_command_of_the_page_runs(chaos_services: ChaosServices, tmp_path: Path) -> None:
@@ -88,3 +95,15 @@ def test_every_command_of_the_page_runs(chaos_services: ChaosServices, tmp_path:
     line = next(x for x in done.stdout.splitlines() if x.startswith("chaos kill seed=12"))
     assert " lost=0 doubled=0 " in line and " faults=1 " in line, line
     assert "| kill | 1 (12) |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_page_shows_a_full_matrix_cluster_table_without_loss() -> None:
+    table = check_table(
+        kafka_cluster.TABLE_START, kafka_cluster.TABLE_END, list(kafka_cluster.SCENARIOS)
+    )
+    assert all(row["recovery, worst"].endswith(" s") for row in table), table
+    # The page names the settings the cluster runs with: they are compose/local/up's.
+    text = PAGE.read_text(encoding="utf-8")
+    up = (ROOT / "compose" / "local" / "up").read_text(encoding="utf-8")
+    for setting in ("DEDUP_KAFKA_BROKERS", "min.insync.replicas=2", "replication.factor=3"):
+        assert setting in up and setting in text, setting
