@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import functools
 import resource
 import sys
@@ -43,6 +44,7 @@ ARMS = (
     "raw",
     "naive",
     "handwritten",
+    "handwritten_concurrent",
     "dedup_per_message",
     "dedup_batch",
     "dedup_batch_traced",
@@ -62,6 +64,8 @@ SWEEP_PREFIX = "dedup_batch@"
 
 HANDWRITTEN_BATCH = 500
 """Messages per transaction in handwritten (and per getmany in raw): dedup's default."""
+HANDWRITTEN_LANES = 4
+"""Connections of handwritten_concurrent, each with its partitions: dedup's default concurrency."""
 
 CLAIMS_DDL = """
 CREATE TABLE claims (
@@ -106,7 +110,12 @@ class Config:
     query_times: bool = False
     """Also sum the time spent in each SQL statement (for finding what limits an arm)."""
     ready_file: str | None = None
-    """Created when the first record is fetched (the soak samples from then on)."""
+    """Created when the first record is fetched (the soak samples from then on); in a
+    live run, once the consumer holds its partitions (the producer starts then)."""
+    live: bool = False
+    """A live stream: latency runs from the record's CreateTime to its COMMIT (wall clock)."""
+    warmup_s: float = 0.0
+    """Live: records produced in the first ``warmup_s`` seconds are not in the latencies."""
     timeout_s: float = 1800.0
 
 
@@ -138,12 +147,17 @@ class Clock:
     measure_latency: bool = True
     query_times: bool = False
     ready_file: str | None = None
+    live: bool = False
+    """Latency from the record's CreateTime (wall clock) instead of from its fetch."""
+    warmup_s: float = 0.0
     first_fetch: float | None = None
     cpu_at_first: float = 0.0
     last_commit: float | None = None
     fetched: dict[tuple[int, int], float] = field(default_factory=dict)
     pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     latencies: array.array[float] = field(default_factory=lambda: array.array("d"))
+    produced: array.array[float] = field(default_factory=lambda: array.array("d"))
+    """Live: each latency's record CreateTime (s), to leave out the warm-up."""
     _watched: set[int] = field(default_factory=set)
     statements: dict[str, list[float]] = field(default_factory=dict)
 
@@ -158,6 +172,8 @@ class Clock:
             batches = await getmany(consumer, *args, **kwargs)
             if batches:
                 clock.saw([r for records in batches.values() for r in records])
+            elif clock.live and consumer.assignment():
+                clock.joined()
             return batches
 
         @functools.wraps(getone)
@@ -169,15 +185,24 @@ class Clock:
         AIOKafkaConsumer.getmany = timed_getmany
         AIOKafkaConsumer.getone = timed_getone
 
+    def joined(self) -> None:
+        """Live: the consumer holds its partitions, so the producer may start."""
+        if self.ready_file:
+            Path(self.ready_file).touch()
+
     def saw(self, records: Sequence[Any]) -> None:
         """Records were handed to code now."""
         now = time.perf_counter()
         if self.first_fetch is None:
             self.first_fetch = now
             self.cpu_at_first = cpu_seconds()
-            if self.ready_file:
+            if self.ready_file and not self.live:
                 Path(self.ready_file).touch()
         if self.measure_latency:
+            if self.live:
+                for r in records:
+                    self.fetched[r.partition, r.offset] = r.timestamp / 1000
+                return
             for r in records:
                 self.fetched[r.partition, r.offset] = now
 
@@ -214,10 +239,18 @@ class Clock:
         self.last_commit = now
         done = self.pending.get(key)
         if done:
-            for where in done:
-                started = self.fetched.pop(where, None)
-                if started is not None:
-                    self.latencies.append(now - started)
+            if self.live:
+                wall = time.time()
+                for where in done:
+                    produced = self.fetched.pop(where, None)
+                    if produced is not None:
+                        self.latencies.append(wall - produced)
+                        self.produced.append(produced)
+            else:
+                for where in done:
+                    started = self.fetched.pop(where, None)
+                    if started is not None:
+                        self.latencies.append(now - started)
             done.clear()
 
     def result(self, messages: int, end: float | None = None) -> dict[str, Any]:
@@ -228,6 +261,9 @@ class Clock:
         elapsed = finish - self.first_fetch
         cpu = cpu_seconds() - self.cpu_at_first
         lat = list(self.latencies)
+        if self.live and self.produced:
+            since = min(self.produced) + self.warmup_s
+            lat = [x for x, t in zip(self.latencies, self.produced, strict=True) if t >= since]
         return {
             "messages": messages,
             "elapsed_s": round(elapsed, 4),
@@ -235,6 +271,7 @@ class Clock:
             "p50_ms": round(1000 * stats.percentile(lat, 50), 3) if lat else None,
             "p99_ms": round(1000 * stats.percentile(lat, 99), 3) if lat else None,
             "latency_samples": len(lat),
+            **(live_percentiles(lat) if self.live and lat else {}),
             "cpu_s": round(cpu, 3),
             "cpu_s_per_10k": round(cpu * 10_000 / messages, 4),
             "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -248,6 +285,20 @@ class Clock:
             {"sql": sql, "calls": int(calls), "total_s": round(secs, 3)}
             for sql, (calls, secs) in ranked[:12]
         ]
+
+
+CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)
+"""Percentiles kept of a live run's latencies, for the distribution plot."""
+
+
+def live_percentiles(lat: Sequence[float]) -> dict[str, Any]:
+    """p99.9 and the latency distribution (ms at each of :data:`CDF_POINTS`) of a live run."""
+    ordered = sorted(lat)
+    return {
+        "p999_ms": round(1000 * stats.percentile(ordered, 99.9), 3),
+        "max_ms": round(1000 * ordered[-1], 3),
+        "cdf_ms": [[q, round(1000 * stats.percentile(ordered, q), 3)] for q in CDF_POINTS],
+    }
 
 
 def _consumer(cfg: Config, **options: Any) -> AIOKafkaConsumer:
@@ -354,6 +405,40 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
                 self.consumer.seek(tp, stored[tp.partition])
 
 
+async def _apply_batch(
+    conn: asyncpg.Connection, cfg: Config, clock: Clock, records: Sequence[Any]
+) -> dict[int, int]:
+    """The hand-written transaction: claim the keys, write the effects, store the offsets.
+
+    Returns partition -> next offset of what it applied.
+    """
+    decoded = [(r, *_fields(r.value)) for r in records]
+    next_offsets: dict[int, int] = {}
+    for r in records:
+        next_offsets[r.partition] = max(next_offsets.get(r.partition, 0), r.offset + 1)
+    async with conn.transaction():
+        fresh = {row[0] for row in await conn.fetch(CLAIM_MANY, [d[1] for d in decoded])}
+        # The first copy of each fresh key (a batch may hold a redelivery too).
+        first = []
+        for d in decoded:
+            if d[1] in fresh:
+                fresh.discard(d[1])
+                first.append(d)
+        if first:
+            await conn.execute(
+                workload.EFFECT_MANY,
+                [d[1] for d in first],
+                [d[2] for d in first],
+                [d[3] for d in first],
+            )
+            await conn.execute(workload.ACCOUNT_MANY, [d[2] for d in first], [d[3] for d in first])
+        await conn.execute(
+            STORE_OFFSETS, cfg.topic, list(next_offsets), list(next_offsets.values())
+        )
+        clock.applied(conn, [(d[0].partition, d[0].offset) for d in first])
+    return next_offsets
+
+
 async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
     """The best hand-written batched loop: one transaction per getmany, set-based statements."""
     conn = await _connect(cfg)
@@ -369,35 +454,78 @@ async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, An
             if not batches:
                 continue
             records = [r for rs in batches.values() for r in rs]
-            decoded = [(r, *_fields(r.value)) for r in records]
-            next_offsets = {tp.partition: rs[-1].offset + 1 for tp, rs in batches.items()}
-            async with listener.lock, conn.transaction():
-                fresh = {row[0] for row in await conn.fetch(CLAIM_MANY, [d[1] for d in decoded])}
-                # The first copy of each fresh key (a batch may hold a redelivery too).
-                first = []
-                for d in decoded:
-                    if d[1] in fresh:
-                        fresh.discard(d[1])
-                        first.append(d)
-                if first:
-                    await conn.execute(
-                        workload.EFFECT_MANY,
-                        [d[1] for d in first],
-                        [d[2] for d in first],
-                        [d[3] for d in first],
-                    )
-                    await conn.execute(
-                        workload.ACCOUNT_MANY, [d[2] for d in first], [d[3] for d in first]
-                    )
-                await conn.execute(
-                    STORE_OFFSETS, cfg.topic, list(next_offsets), list(next_offsets.values())
-                )
-                clock.applied(conn, [(d[0].partition, d[0].offset) for d in first])
+            async with listener.lock:
+                next_offsets = await _apply_batch(conn, cfg, clock, records)
             for partition, next_offset in next_offsets.items():
                 progress.at(partition, next_offset)
     finally:
         await consumer.stop()
         await conn.close()
+    result = clock.result(total)
+    result["assignments"] = progress.assignments
+    return result
+
+
+async def run_handwritten_concurrent(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """handwritten with partitions side by side: HANDWRITTEN_LANES connections, each its own
+    partitions (``partition % lanes``), one transaction per batch of a lane's queue.
+
+    The fetch loop hands records to the lanes' queues and pauses a lane's
+    partitions while its queue holds two batches; a lane takes what its queue
+    holds (up to HANDWRITTEN_BATCH) as soon as its last transaction committed.
+    """
+    conns = [await _connect(cfg) for _ in range(HANDWRITTEN_LANES)]
+    for conn in conns:
+        clock.watch(conn)
+    seeker = await _connect(cfg)  # the rebalance listener's own
+    consumer = _consumer(cfg, enable_auto_commit=False)
+    progress = Progress(cfg.end_offsets)
+    consumer.subscribe([cfg.topic], listener=_SeekToStored(consumer, seeker, cfg.topic, progress))
+    queues: list[collections.deque[Any]] = [collections.deque() for _ in conns]
+    more = [asyncio.Event() for _ in conns]
+    paused: set[int] = set()
+
+    async def lane(i: int) -> None:
+        while True:
+            await more[i].wait()
+            queue = queues[i]
+            records = [queue.popleft() for _ in range(min(HANDWRITTEN_BATCH, len(queue)))]
+            if not queue:
+                more[i].clear()
+            for partition, next_offset in (
+                await _apply_batch(conns[i], cfg, clock, records)
+            ).items():
+                progress.at(partition, next_offset)
+
+    await consumer.start()
+    lanes = [asyncio.create_task(lane(i)) for i in range(len(conns))]
+    try:
+        while not progress.done:
+            for task in lanes:
+                if task.done():
+                    task.result()  # raises what stopped it
+            batches = await consumer.getmany(
+                timeout_ms=100, max_records=HANDWRITTEN_BATCH * len(conns)
+            )
+            for tp, records in batches.items():
+                i = tp.partition % len(conns)
+                queues[i].extend(records)
+                more[i].set()
+            for i, queue in enumerate(queues):
+                mine = [tp for tp in consumer.assignment() if tp.partition % len(conns) == i]
+                if i not in paused and len(queue) >= 2 * HANDWRITTEN_BATCH:
+                    consumer.pause(*mine)
+                    paused.add(i)
+                elif i in paused and len(queue) < HANDWRITTEN_BATCH:
+                    consumer.resume(*mine)
+                    paused.discard(i)
+    finally:
+        for task in lanes:
+            task.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
+        await consumer.stop()
+        for conn in [*conns, seeker]:
+            await conn.close()
     result = clock.result(total)
     result["assignments"] = progress.assignments
     return result
@@ -565,6 +693,7 @@ RUNNERS = {
     "raw": run_raw,
     "naive": run_naive,
     "handwritten": run_handwritten,
+    "handwritten_concurrent": run_handwritten_concurrent,
 }
 
 
@@ -580,7 +709,7 @@ async def prepare(cfg: Config) -> None:
             await conn.execute(workload.HOT_OPEN_ACCOUNTS, names)
             return
         await conn.execute(workload.BUSINESS_DDL)
-        if cfg.arm in ("naive", "handwritten"):
+        if cfg.arm in ("naive", "handwritten", "handwritten_concurrent"):
             await conn.execute(CLAIMS_DDL)
     finally:
         await conn.close()
@@ -607,6 +736,8 @@ async def main(cfg: Config) -> dict[str, Any]:
         measure_latency=cfg.measure_latency,
         query_times=cfg.query_times,
         ready_file=cfg.ready_file,
+        live=cfg.live,
+        warmup_s=cfg.warmup_s,
     )
     clock.install_kafka_hook()
     runner = RUNNERS.get(cfg.arm, run_dedup)
