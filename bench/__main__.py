@@ -1,4 +1,5 @@
-"""``python -m bench`` runs the benchmark; ``python -m bench soak`` the memory soak."""
+"""``python -m bench`` runs the throughput benchmark; ``python -m bench soak`` the memory
+soak; ``python -m bench live`` the live-stream latency."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ if __name__ == "__main__":
         from bench import soak
 
         sys.exit(soak.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["live"]:
+        from bench import live
+
+        sys.exit(live.main(sys.argv[2:]))
     from bench import run
 
     sys.exit(run.main(sys.argv[1:]))
