@@ -105,6 +105,8 @@ class Config:
     """Partition (as a string) -> its end offset once the topic was filled: where "done" is."""
     batch_size: int | None = None
     """dedup arms: ``batch_size`` passed to IdempotentConsumer (None: its default)."""
+    dedup_options: dict[str, Any] = field(default_factory=dict)
+    """dedup arms: more IdempotentConsumer options (``--dedup-option``), for finding levers."""
     measure_latency: bool = True
     """False in the soak, where keeping per-message timings would itself grow memory."""
     query_times: bool = False
@@ -158,6 +160,10 @@ class Clock:
     latencies: array.array[float] = field(default_factory=lambda: array.array("d"))
     produced: array.array[float] = field(default_factory=lambda: array.array("d"))
     """Live: each latency's record CreateTime (s), to leave out the warm-up."""
+    fetch_wall: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Live: when each record was handed to code (wall clock)."""
+    to_fetch: array.array[float] = field(default_factory=lambda: array.array("d"))
+    """Live: each latency's part from CreateTime to the fetch (Kafka's share)."""
     _watched: set[int] = field(default_factory=set)
     statements: dict[str, list[float]] = field(default_factory=dict)
 
@@ -200,8 +206,10 @@ class Clock:
                 Path(self.ready_file).touch()
         if self.measure_latency:
             if self.live:
+                wall = time.time()
                 for r in records:
                     self.fetched[r.partition, r.offset] = r.timestamp / 1000
+                    self.fetch_wall[r.partition, r.offset] = wall
                 return
             for r in records:
                 self.fetched[r.partition, r.offset] = now
@@ -246,6 +254,7 @@ class Clock:
                     if produced is not None:
                         self.latencies.append(wall - produced)
                         self.produced.append(produced)
+                        self.to_fetch.append(self.fetch_wall.pop(where, wall) - produced)
             else:
                 for where in done:
                     started = self.fetched.pop(where, None)
@@ -261,9 +270,12 @@ class Clock:
         elapsed = finish - self.first_fetch
         cpu = cpu_seconds() - self.cpu_at_first
         lat = list(self.latencies)
+        fetch_part: list[float] = []
         if self.live and self.produced:
             since = min(self.produced) + self.warmup_s
-            lat = [x for x, t in zip(self.latencies, self.produced, strict=True) if t >= since]
+            kept = [i for i, t in enumerate(self.produced) if t >= since]
+            lat = [self.latencies[i] for i in kept]
+            fetch_part = [self.to_fetch[i] for i in kept]
         return {
             "messages": messages,
             "elapsed_s": round(elapsed, 4),
@@ -271,7 +283,7 @@ class Clock:
             "p50_ms": round(1000 * stats.percentile(lat, 50), 3) if lat else None,
             "p99_ms": round(1000 * stats.percentile(lat, 99), 3) if lat else None,
             "latency_samples": len(lat),
-            **(live_percentiles(lat) if self.live and lat else {}),
+            **(live_percentiles(lat, fetch_part) if self.live and lat else {}),
             "cpu_s": round(cpu, 3),
             "cpu_s_per_10k": round(cpu * 10_000 / messages, 4),
             "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -291,10 +303,13 @@ CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)
 """Percentiles kept of a live run's latencies, for the distribution plot."""
 
 
-def live_percentiles(lat: Sequence[float]) -> dict[str, Any]:
-    """p99.9 and the latency distribution (ms at each of :data:`CDF_POINTS`) of a live run."""
+def live_percentiles(lat: Sequence[float], to_fetch: Sequence[float]) -> dict[str, Any]:
+    """p99.9 and the latency distribution (ms at each of :data:`CDF_POINTS`) of a live run;
+    the p50 and p99 of the part before the record reached code (produce + fetch)."""
     ordered = sorted(lat)
     return {
+        "to_fetch_p50_ms": round(1000 * stats.percentile(to_fetch, 50), 3),
+        "to_fetch_p99_ms": round(1000 * stats.percentile(to_fetch, 99), 3),
         "p999_ms": round(1000 * stats.percentile(ordered, 99.9), 3),
         "max_ms": round(1000 * ordered[-1], 3),
         "cdf_ms": [[q, round(1000 * stats.percentile(ordered, q), 3)] for q in CDF_POINTS],
@@ -671,7 +686,7 @@ def _dedup_handler(cfg: Config, clock: Clock) -> tuple[Any, dict[str, Any]]:
         return apply_payment, {"concurrency": 1} if cfg.arm == "hot_rows_serial" else {}
     if cfg.arm == "dedup_per_message":
         return handle_one, {"batch_size": 1}
-    options: dict[str, Any] = {"batch": True}
+    options: dict[str, Any] = {"batch": True, **cfg.dedup_options}
     if cfg.batch_size is not None:
         options["batch_size"] = cfg.batch_size
     return handle_batch, options

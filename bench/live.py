@@ -67,7 +67,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--query-times", action="store_true", help="also time each SQL statement of each arm"
     )
+    parser.add_argument(
+        "--dedup-option",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an IdempotentConsumer option for dedup_batch, e.g. concurrency=1 (repeatable)",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.dedup_options = {
+            name: orjson.loads(value)
+            for name, value in (o.split("=", 1) for o in args.dedup_option)
+        }
+    except ValueError as exc:
+        parser.error(f"--dedup-option takes NAME=JSON: {exc}")
     args.rates = [int(r) for r in args.rates.split(",") if r.strip()]
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = set(args.arms) - set(arms.ARMS)
@@ -158,6 +172,7 @@ def one_run(
         workload=expected.as_dict(),
         end_offsets=ends,
         query_times=args.query_times,
+        dedup_options=args.dedup_options,
         ready_file=str(ready),
         live=True,
         warmup_s=args.warmup,
