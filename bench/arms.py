@@ -56,6 +56,8 @@ ARMS = (
 HOT_ARMS = ("hot_rows", "hot_rows_serial")
 """The README's per-message handler on few accounts (their own topic): dedup's defaults,
 and the same with ``concurrency=1``."""
+PER_MESSAGE_ARMS = ("naive", "dedup_per_message")
+"""One transaction per message: they may read a smaller topic (``--per-message-messages``)."""
 DEDUP_ARMS = ("dedup_per_message", "dedup_batch", "dedup_batch_traced", *HOT_ARMS)
 HOT_MESSAGES = 50_000
 """Payments in the hot-row topic by default (fewer when ``--messages`` is smaller)."""

@@ -120,15 +120,28 @@ def table(summary: dict[str, Any]) -> str:
     cfg = summary.get("config", {})
     if cfg:
         lines.append("")
-        if any(name not in arms.HOT_ARMS for name in summary["arms"]):
+        if cfg.get("distinct_keys") is not None:
             lines.append(
                 f"{cfg['messages']:,} records ({cfg['distinct_keys']:,} distinct keys), "
                 f"{cfg['partitions']} partitions, {cfg['rounds']} rounds; ratios are medians of "
                 "round-by-round ratios"
             )
+        lines += per_message_lines(summary)
         lines += hot_lines(summary)
     lines += ["", *target_lines(summary)]
     return "\n".join(lines)
+
+
+def per_message_lines(summary: dict[str, Any]) -> list[str]:
+    """What the one-transaction-per-message arms consumed, when it was a topic of its own."""
+    small = summary.get("config", {}).get("per_message")
+    if not small:
+        return []
+    return [
+        f"{', '.join(arms.PER_MESSAGE_ARMS)}, dedup_batch@1 and @10: their own topic of "
+        f"{small['messages']:,} records ({small['distinct_keys']:,} distinct keys), the same "
+        "workload"
+    ]
 
 
 def hot_lines(summary: dict[str, Any]) -> list[str]:
@@ -163,8 +176,9 @@ def markdown(summary: dict[str, Any]) -> str:
     out += [
         "",
         f"Measured {cfg['finished']} with `{cfg['command']}`: {cfg['messages']:,} records of "
-        f"~{cfg['record_bytes']} bytes ({cfg['distinct_keys']:,} distinct keys), "
+        f"~{cfg['record_bytes']} bytes ({cfg['distinct_keys'] or 0:,} distinct keys), "
         f"{cfg['partitions']} partitions, {cfg['rounds']} rounds.",
+        *(["", "; ".join(per_message_lines(summary)) + "."] if per_message_lines(summary) else []),
         *(["", "; ".join(hot_lines(summary)) + "."] if hot_lines(summary) else []),
         "",
         f"Machine: {mach['cpu']}, {mach['logical_cpus']} logical CPUs, {mach['memory_gib']} GiB, "
