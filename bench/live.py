@@ -384,5 +384,76 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *target_lines(summary)])
 
 
+PLOT = "img/live-latency.png"
+"""The latency distribution of the live runs, under docs/."""
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The live section's generated part of docs/performance.md."""
+    cells = rows(summary)
+    out = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    out += ["| " + " | ".join(r) + " |" for r in cells[1:]]
+    out += ["", "| target | measured | verdict |", "|---|---|---|"]
+    for t in summary["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}"
+        out.append(f"| {t['target']} {t['limit']} | {value} | {t['status'].upper()} |")
+    cfg = summary["config"]
+    out += [
+        "",
+        f"Measured with `{cfg['command']}`: {cfg['seconds']:g} s per run after a "
+        f"{cfg['warmup_s']:g} s warm-up, {cfg['rounds']} rounds, {cfg['partitions']} partitions, "
+        f"{cfg['duplicate_ratio']:.0%} redeliveries; medians over the rounds.",
+    ]
+    if any(_curves(summary)):
+        out += ["", f"![latency distribution of the live stream]({PLOT})"]
+    return "\n".join(out)
+
+
+def _curves(summary: dict[str, Any]) -> list[tuple[str, str, list[list[float]]]]:
+    """(rate, arm, cdf) of each arm's median round (by p99) at each rate."""
+    found = []
+    for rate, by_arm in summary["rates"].items():
+        for arm, entry in by_arm.items():
+            runs = sorted(
+                (r for r in entry["rounds"] if r.get("ok") and r.get("cdf_ms")),
+                key=lambda r: r["p99_ms"],
+            )
+            if runs:
+                found.append((rate, arm, runs[len(runs) // 2]["cdf_ms"]))
+    return found
+
+
+def plot(summary: dict[str, Any], path: Path) -> Path | None:
+    """Latency distribution per rate (one panel each), an arm per line; None: nothing to plot."""
+    curves = _curves(summary)
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(dict.fromkeys(rate for rate, _, _ in curves))
+    fig, axes = plt.subplots(
+        1, len(rates), figsize=(4.2 * len(rates), 3.8), dpi=120, sharey=True, squeeze=False
+    )
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for r, arm, cdf in curves:
+            if r == rate:
+                ax.plot([ms for _, ms in cdf], [q for q, _ in cdf], label=arm)
+        ax.set_xscale("log")
+        ax.set_title(f"{int(rate):,} msg/s", fontsize=10)
+        ax.set_xlabel("CreateTime to COMMIT (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("percentile")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.suptitle("Live stream: latency distribution (median round)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     sys.exit(main())
