@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import subprocess
 import sys
@@ -59,7 +60,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds left out at the start")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
-        "--arms", default=",".join(LIVE_ARMS), help="comma-separated (default %(default)s)"
+        "--arms",
+        default=",".join(LIVE_ARMS),
+        help="comma-separated (default %(default)s); dedup_batch[concurrency=1] is dedup_batch "
+        "with that IdempotentConsumer option",
     )
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--duplicates", type=float, default=0.10)
@@ -83,11 +87,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--dedup-option takes NAME=JSON: {exc}")
     args.rates = [int(r) for r in args.rates.split(",") if r.strip()]
-    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(args.arms) - set(arms.ARMS)
+    args.arms = [a.strip() for a in re.split(r",(?![^\[]*\])", args.arms) if a.strip()]
+    try:
+        variants = [variant(a) for a in args.arms]
+    except ValueError as exc:
+        parser.error(f"--arms: {exc}")
+    unknown = {base for base, _ in variants} - set(arms.ARMS)
     if unknown:
         parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
     return args
+
+
+def variant(label: str) -> tuple[str, dict[str, Any]]:
+    """``dedup_batch[concurrency=1]``: the arm and its IdempotentConsumer options (JSON values)."""
+    found = re.fullmatch(r"(\w+)(?:\[(.*)\])?", label)
+    if found is None:
+        raise ValueError(f"not an arm: {label!r}")
+    options = {}
+    for pair in filter(None, (found.group(2) or "").split(",")):
+        name, _, value = pair.partition("=")
+        options[name.strip()] = orjson.loads(value)
+    return found.group(1), options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,13 +140,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     args,
                     kafka,
                     admin_dsn,
-                    f"{run_id}_{arm}_{rate}_r{rnd}",
+                    f"{run_id}_a{args.arms.index(arm)}_{rate}_r{rnd}",
                     arm,
                     rate,
                     records,
                     expected,
                 )
                 result["round"] = rnd
+                result["arm"] = arm  # the label, options and all
                 by_arm[arm].append(result)
                 print(progress_line(rnd, args.rounds, rate, result), flush=True)
     found = summarize(results)
@@ -150,12 +171,13 @@ def one_run(
     kafka: str,
     admin_dsn: str,
     tag: str,
-    arm: str,
+    label: str,
     rate: int,
     records: list[tuple[bytes, bytes]],
     expected: workload.Workload,
 ) -> dict[str, Any]:
     """One arm on a fresh topic while records are produced at ``rate``: the arm's result."""
+    arm, options = variant(label)
     topic = asyncio.run(workload.create_topic(kafka, args.partitions, prefix="live"))
     database = f"bench_live_{tag}"
     ready = Path(tempfile.gettempdir()) / f"bench-live-{tag}.joined"
@@ -172,7 +194,7 @@ def one_run(
         workload=expected.as_dict(),
         end_offsets=ends,
         query_times=args.query_times,
-        dedup_options=args.dedup_options,
+        dedup_options={**args.dedup_options, **options},
         ready_file=str(ready),
         live=True,
         warmup_s=args.warmup,
