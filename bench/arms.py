@@ -167,6 +167,8 @@ class Clock:
     to_fetch: array.array[float] = field(default_factory=lambda: array.array("d"))
     """Live: each latency's part from CreateTime to the fetch (Kafka's share)."""
     _watched: set[int] = field(default_factory=set)
+    commits: int = 0
+    """Transactions committed (on the watched connections)."""
     statements: dict[str, list[float]] = field(default_factory=dict)
 
     def install_kafka_hook(self) -> None:
@@ -247,6 +249,7 @@ class Clock:
             return
         now = time.perf_counter()
         self.last_commit = now
+        self.commits += 1
         done = self.pending.get(key)
         if done:
             if self.live:
@@ -285,6 +288,7 @@ class Clock:
             "p50_ms": round(1000 * stats.percentile(lat, 50), 3) if lat else None,
             "p99_ms": round(1000 * stats.percentile(lat, 99), 3) if lat else None,
             "latency_samples": len(lat),
+            "transactions": self.commits,
             **(live_percentiles(lat, fetch_part) if self.live and lat else {}),
             "cpu_s": round(cpu, 3),
             "cpu_s_per_10k": round(cpu * 10_000 / messages, 4),

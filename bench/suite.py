@@ -82,8 +82,10 @@ def _throughput_publish(summary: Summary, docs: Path) -> list[Path]:
 
 
 def _throughput_overrides(args: argparse.Namespace) -> list[str]:
+    # --messages sizes all three topics: a shrunk run is shrunk everywhere.
+    sizes = ("--messages", "--per-message-messages", "--hot-messages")
     return [
-        *(["--messages", str(args.messages)] if args.messages else []),
+        *([arg for size in sizes for arg in (size, str(args.messages))] if args.messages else []),
         *(["--rounds", str(args.rounds)] if args.rounds else []),
     ]
 
@@ -162,7 +164,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="comma-separated (default: all, %(default)s)",
     )
     parser.add_argument("--rounds", type=int, help="rounds of every section")
-    parser.add_argument("--messages", type=int, help="records of the throughput section's topic")
+    parser.add_argument(
+        "--messages", type=int, help="records of each of the throughput section's topics"
+    )
     parser.add_argument("--seconds", type=float, help="measured seconds per live run")
     parser.add_argument("--rates", help="the live section's rates, comma-separated msg/s")
     parser.add_argument(
@@ -190,7 +194,8 @@ def main(argv: list[str]) -> int:
     results: dict[str, Any] = {"profile": args.profile, "sections": {}, "minutes": {}}
     for section in args.chosen:
         section_argv = [*getattr(section, args.profile), *section.overrides(args)]
-        print(f"== {section.name}: python -m bench {' '.join(section_argv)}", flush=True)
+        shown = " ".join(section_argv) or "(defaults)"
+        print(f"== {section.name} ({section.name} arguments: {shown})", flush=True)
         t0 = time.monotonic()
         summary = section.measure(section_argv)
         results["sections"][section.name] = summary
