@@ -68,7 +68,7 @@ def test_the_page_lists_the_commands_this_test_runs() -> None:
     assert found == {
         "make bench",
         "make bench-full",
-        "make bench BENCH_ARGS=--sections live --rounds",
+        "make bench BENCH_ARGS=--sections live --rounds 2",
         ".venv/bin/python -m bench",
         ".venv/bin/python -m bench.report",
         "make bench-soak",
