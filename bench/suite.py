@@ -206,9 +206,7 @@ def main(argv: list[str]) -> int:
         print()
     results["targets"] = [t for s in args.chosen for t in s.targets(results["sections"][s.name])]
     results["minutes"]["total"] = round((time.monotonic() - started) / 60, 1)
-    results["command"] = " ".join(
-        ["make bench" if args.profile == "quick" else "make bench-full", *argv[1:]]
-    )
+    results["command"] = make_command(args.profile, argv[1:])
     results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
@@ -219,6 +217,13 @@ def main(argv: list[str]) -> int:
         for path in publish(results, args.chosen, args.docs):
             print(f"written: {path}")
     return 0
+
+
+def make_command(profile: str, options: list[str]) -> str:
+    """The make command that runs ``python -m bench PROFILE OPTIONS`` (make adds --publish)."""
+    extra = [o for o in options if o != "--publish"]
+    command = "make bench" if profile == "quick" else "make bench-full"
+    return f'{command} BENCH_ARGS="{" ".join(extra)}"' if extra else command
 
 
 def target_table(verdicts: list[Verdict]) -> str:

@@ -82,3 +82,8 @@ def test_the_suite_prints_every_target_with_its_verdict() -> None:
         "a/b      0.91  (target >= 0.8): PASS",
         "p50         -  (target < 10): N/A",
     ]
+
+
+def test_the_suite_names_the_make_command_that_reproduces_it() -> None:
+    assert suite.make_command("full", ["--publish"]) == "make bench-full"
+    assert suite.make_command("quick", ["--rounds", "1"]) == 'make bench BENCH_ARGS="--rounds 1"'
