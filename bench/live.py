@@ -201,6 +201,9 @@ def one_run(
         timeout_s=max(300.0, 10 * len(records) / rate),
     )
     asyncio.run(dev_database.create(admin_dsn, database))
+    # The arm's log goes to a file: a pipe nobody reads until the end could fill
+    # and stall the arm mid-run.
+    log = tempfile.TemporaryFile("w+")
     try:
         with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
             f.write(orjson.dumps(cfg.__dict__))
@@ -208,7 +211,7 @@ def one_run(
             [sys.executable, "-m", "bench.arms", f.name],
             cwd=run.ROOT,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=log,
             text=True,
         )
         try:
@@ -216,7 +219,7 @@ def one_run(
             while proc.poll() is None and not ready.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             sent = asyncio.run(produce_steadily(kafka, topic, placed, rate))
-            out, err = proc.communicate(timeout=cfg.timeout_s + 60)
+            out, _ = proc.communicate(timeout=cfg.timeout_s + 60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
@@ -225,7 +228,8 @@ def one_run(
             Path(f.name).unlink()
         lines = out.strip().splitlines()
         if proc.returncode != 0 or not lines:
-            tail = "\n".join(err.strip().splitlines()[-15:])
+            log.seek(0)
+            tail = "\n".join(log.read().strip().splitlines()[-15:])
             return {"arm": arm, "ok": False, "error": f"exit {proc.returncode}: {tail}"}
         result: dict[str, Any] = orjson.loads(lines[-1])
         result["producer"] = sent
@@ -234,6 +238,7 @@ def one_run(
         result["tx_per_s"] = round(result["transactions"] / result["elapsed_s"], 1)
         return result
     finally:
+        log.close()
         ready.unlink(missing_ok=True)
         asyncio.run(dev_database.drop(admin_dsn, database))
         asyncio.run(workload.delete_topic(kafka, topic))
