@@ -150,7 +150,14 @@ SECTIONS: list[Section] = [
         publish=_live_publish,
         overrides=_live_overrides,
     ),
-    # The table-size section (bench/table_size.py) plugs in here.
+    # The table-size section (bench/table_size.py, `python -m bench table-size`)
+    # plugs in here, e.g.
+    #   Section(name="table-size", quick=(...), full=(...),
+    #           measure=lambda argv: table_size.measure(table_size.parse(argv)),
+    #           targets=..., table=..., markdown=table_size.markdown, publish=...,
+    #           overrides=lambda args: ["--rounds", str(args.rounds)] if args.rounds else []),
+    # with a <!-- bench:table-size:begin --> ... <!-- bench:table-size:end --> pair
+    # in docs/performance.md; its targets join the page's table of every target.
 ]  # fmt: skip
 """The sections, in the order they run."""
 
