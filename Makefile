@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv services down lint unit test demo bench bench-soak chaos
+.PHONY: venv services down lint unit test demo bench bench-full bench-soak chaos
 
 # The library (dedup-kafka) and the bundled services (dedup-kafka-services, from
 # consumers/) are two distributions.  Until 0.2 the library was called `dedup`:
@@ -53,14 +53,18 @@ chaos: venv
 	CHAOS_MATRIX=full CHAOS_UPDATE_DOCS=1 $(BIN)/pytest tests/chaos -m chaos
 
 # The benchmark (bench/, docs/performance.md); not part of `make test`.
-# Shrink a run with e.g. BENCH_ARGS="--messages 20000 --rounds 2".
+# `make bench`: every section small (< 10 minutes), every target printed; `make bench-full`:
+# the long run that publishes docs/performance.md.  Shrink with e.g. BENCH_ARGS="--rounds 1".
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]' -e ./consumers
 	touch $@
 
 bench: venv services $(BENCH_STAMP)
-	$(BIN)/python -m bench $(BENCH_ARGS)
+	$(BIN)/python -m bench quick $(BENCH_ARGS)
+
+bench-full: venv services $(BENCH_STAMP)
+	$(BIN)/python -m bench full --publish $(BENCH_ARGS)
 
 bench-soak: venv services $(BENCH_STAMP)
 	$(BIN)/python -m bench soak $(BENCH_ARGS)

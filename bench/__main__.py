@@ -1,4 +1,6 @@
-"""``python -m bench`` runs the benchmark; ``python -m bench soak`` the memory soak."""
+"""``python -m bench`` runs the throughput benchmark; ``python -m bench soak`` the memory
+soak; ``python -m bench live`` the live-stream latency; ``python -m bench quick`` and
+``python -m bench full`` every section with every target (``make bench``, ``make bench-full``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,14 @@ if __name__ == "__main__":
         from bench import soak
 
         sys.exit(soak.main(sys.argv[2:]))
+    if sys.argv[1:2] in (["quick"], ["full"]):
+        from bench import suite
+
+        sys.exit(suite.main(sys.argv[1:]))
+    if sys.argv[1:2] == ["live"]:
+        from bench import live
+
+        sys.exit(live.main(sys.argv[2:]))
     from bench import run
 
     sys.exit(run.main(sys.argv[1:]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import functools
 import resource
 import sys
@@ -43,6 +44,7 @@ ARMS = (
     "raw",
     "naive",
     "handwritten",
+    "handwritten_concurrent",
     "dedup_per_message",
     "dedup_batch",
     "dedup_batch_traced",
@@ -54,6 +56,8 @@ ARMS = (
 HOT_ARMS = ("hot_rows", "hot_rows_serial")
 """The README's per-message handler on few accounts (their own topic): dedup's defaults,
 and the same with ``concurrency=1``."""
+PER_MESSAGE_ARMS = ("naive", "dedup_per_message")
+"""One transaction per message: they may read a smaller topic (``--per-message-messages``)."""
 DEDUP_ARMS = ("dedup_per_message", "dedup_batch", "dedup_batch_traced", *HOT_ARMS)
 HOT_MESSAGES = 50_000
 """Payments in the hot-row topic by default (fewer when ``--messages`` is smaller)."""
@@ -62,6 +66,8 @@ SWEEP_PREFIX = "dedup_batch@"
 
 HANDWRITTEN_BATCH = 500
 """Messages per transaction in handwritten (and per getmany in raw): dedup's default."""
+HANDWRITTEN_LANES = 4
+"""Connections of handwritten_concurrent, each with its partitions: dedup's default concurrency."""
 
 CLAIMS_DDL = """
 CREATE TABLE claims (
@@ -101,12 +107,19 @@ class Config:
     """Partition (as a string) -> its end offset once the topic was filled: where "done" is."""
     batch_size: int | None = None
     """dedup arms: ``batch_size`` passed to IdempotentConsumer (None: its default)."""
+    dedup_options: dict[str, Any] = field(default_factory=dict)
+    """dedup arms: more IdempotentConsumer options (``--dedup-option``), for finding levers."""
     measure_latency: bool = True
     """False in the soak, where keeping per-message timings would itself grow memory."""
     query_times: bool = False
     """Also sum the time spent in each SQL statement (for finding what limits an arm)."""
     ready_file: str | None = None
-    """Created when the first record is fetched (the soak samples from then on)."""
+    """Created when the first record is fetched (the soak samples from then on); in a
+    live run, once the consumer holds its partitions (the producer starts then)."""
+    live: bool = False
+    """A live stream: latency runs from the record's CreateTime to its COMMIT (wall clock)."""
+    warmup_s: float = 0.0
+    """Live: records produced in the first ``warmup_s`` seconds are not in the latencies."""
     timeout_s: float = 1800.0
 
 
@@ -138,13 +151,24 @@ class Clock:
     measure_latency: bool = True
     query_times: bool = False
     ready_file: str | None = None
+    live: bool = False
+    """Latency from the record's CreateTime (wall clock) instead of from its fetch."""
+    warmup_s: float = 0.0
     first_fetch: float | None = None
     cpu_at_first: float = 0.0
     last_commit: float | None = None
     fetched: dict[tuple[int, int], float] = field(default_factory=dict)
     pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     latencies: array.array[float] = field(default_factory=lambda: array.array("d"))
+    produced: array.array[float] = field(default_factory=lambda: array.array("d"))
+    """Live: each latency's record CreateTime (s), to leave out the warm-up."""
+    fetch_wall: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Live: when each record was handed to code (wall clock)."""
+    to_fetch: array.array[float] = field(default_factory=lambda: array.array("d"))
+    """Live: each latency's part from CreateTime to the fetch (Kafka's share)."""
     _watched: set[int] = field(default_factory=set)
+    commits: int = 0
+    """Transactions committed (on the watched connections)."""
     statements: dict[str, list[float]] = field(default_factory=dict)
 
     def install_kafka_hook(self) -> None:
@@ -158,6 +182,8 @@ class Clock:
             batches = await getmany(consumer, *args, **kwargs)
             if batches:
                 clock.saw([r for records in batches.values() for r in records])
+            elif clock.live and consumer.assignment():
+                clock.joined()
             return batches
 
         @functools.wraps(getone)
@@ -169,15 +195,26 @@ class Clock:
         AIOKafkaConsumer.getmany = timed_getmany
         AIOKafkaConsumer.getone = timed_getone
 
+    def joined(self) -> None:
+        """Live: the consumer holds its partitions, so the producer may start."""
+        if self.ready_file:
+            Path(self.ready_file).touch()
+
     def saw(self, records: Sequence[Any]) -> None:
         """Records were handed to code now."""
         now = time.perf_counter()
         if self.first_fetch is None:
             self.first_fetch = now
             self.cpu_at_first = cpu_seconds()
-            if self.ready_file:
+            if self.ready_file and not self.live:
                 Path(self.ready_file).touch()
         if self.measure_latency:
+            if self.live:
+                wall = time.time()
+                for r in records:
+                    self.fetched[r.partition, r.offset] = r.timestamp / 1000
+                    self.fetch_wall[r.partition, r.offset] = wall
+                return
             for r in records:
                 self.fetched[r.partition, r.offset] = now
 
@@ -212,12 +249,22 @@ class Clock:
             return
         now = time.perf_counter()
         self.last_commit = now
+        self.commits += 1
         done = self.pending.get(key)
         if done:
-            for where in done:
-                started = self.fetched.pop(where, None)
-                if started is not None:
-                    self.latencies.append(now - started)
+            if self.live:
+                wall = time.time()
+                for where in done:
+                    produced = self.fetched.pop(where, None)
+                    if produced is not None:
+                        self.latencies.append(wall - produced)
+                        self.produced.append(produced)
+                        self.to_fetch.append(self.fetch_wall.pop(where, wall) - produced)
+            else:
+                for where in done:
+                    started = self.fetched.pop(where, None)
+                    if started is not None:
+                        self.latencies.append(now - started)
             done.clear()
 
     def result(self, messages: int, end: float | None = None) -> dict[str, Any]:
@@ -228,6 +275,12 @@ class Clock:
         elapsed = finish - self.first_fetch
         cpu = cpu_seconds() - self.cpu_at_first
         lat = list(self.latencies)
+        fetch_part: list[float] = []
+        if self.live and self.produced:
+            since = min(self.produced) + self.warmup_s
+            kept = [i for i, t in enumerate(self.produced) if t >= since]
+            lat = [self.latencies[i] for i in kept]
+            fetch_part = [self.to_fetch[i] for i in kept]
         return {
             "messages": messages,
             "elapsed_s": round(elapsed, 4),
@@ -235,6 +288,8 @@ class Clock:
             "p50_ms": round(1000 * stats.percentile(lat, 50), 3) if lat else None,
             "p99_ms": round(1000 * stats.percentile(lat, 99), 3) if lat else None,
             "latency_samples": len(lat),
+            "transactions": self.commits,
+            **(live_percentiles(lat, fetch_part) if self.live and lat else {}),
             "cpu_s": round(cpu, 3),
             "cpu_s_per_10k": round(cpu * 10_000 / messages, 4),
             "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -248,6 +303,23 @@ class Clock:
             {"sql": sql, "calls": int(calls), "total_s": round(secs, 3)}
             for sql, (calls, secs) in ranked[:12]
         ]
+
+
+CDF_POINTS = (*range(0, 100), 99.5, 99.9, 99.99, 100)
+"""Percentiles kept of a live run's latencies, for the distribution plot."""
+
+
+def live_percentiles(lat: Sequence[float], to_fetch: Sequence[float]) -> dict[str, Any]:
+    """p99.9 and the latency distribution (ms at each of :data:`CDF_POINTS`) of a live run;
+    the p50 and p99 of the part before the record reached code (produce + fetch)."""
+    ordered = sorted(lat)
+    return {
+        "to_fetch_p50_ms": round(1000 * stats.percentile(to_fetch, 50), 3),
+        "to_fetch_p99_ms": round(1000 * stats.percentile(to_fetch, 99), 3),
+        "p999_ms": round(1000 * stats.percentile(ordered, 99.9), 3),
+        "max_ms": round(1000 * ordered[-1], 3),
+        "cdf_ms": [[q, round(1000 * stats.percentile(ordered, q), 3)] for q in CDF_POINTS],
+    }
 
 
 def _consumer(cfg: Config, **options: Any) -> AIOKafkaConsumer:
@@ -354,6 +426,40 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
                 self.consumer.seek(tp, stored[tp.partition])
 
 
+async def _apply_batch(
+    conn: asyncpg.Connection, cfg: Config, clock: Clock, records: Sequence[Any]
+) -> dict[int, int]:
+    """The hand-written transaction: claim the keys, write the effects, store the offsets.
+
+    Returns partition -> next offset of what it applied.
+    """
+    decoded = [(r, *_fields(r.value)) for r in records]
+    next_offsets: dict[int, int] = {}
+    for r in records:
+        next_offsets[r.partition] = max(next_offsets.get(r.partition, 0), r.offset + 1)
+    async with conn.transaction():
+        fresh = {row[0] for row in await conn.fetch(CLAIM_MANY, [d[1] for d in decoded])}
+        # The first copy of each fresh key (a batch may hold a redelivery too).
+        first = []
+        for d in decoded:
+            if d[1] in fresh:
+                fresh.discard(d[1])
+                first.append(d)
+        if first:
+            await conn.execute(
+                workload.EFFECT_MANY,
+                [d[1] for d in first],
+                [d[2] for d in first],
+                [d[3] for d in first],
+            )
+            await conn.execute(workload.ACCOUNT_MANY, [d[2] for d in first], [d[3] for d in first])
+        await conn.execute(
+            STORE_OFFSETS, cfg.topic, list(next_offsets), list(next_offsets.values())
+        )
+        clock.applied(conn, [(d[0].partition, d[0].offset) for d in first])
+    return next_offsets
+
+
 async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
     """The best hand-written batched loop: one transaction per getmany, set-based statements."""
     conn = await _connect(cfg)
@@ -369,35 +475,78 @@ async def run_handwritten(cfg: Config, clock: Clock, total: int) -> dict[str, An
             if not batches:
                 continue
             records = [r for rs in batches.values() for r in rs]
-            decoded = [(r, *_fields(r.value)) for r in records]
-            next_offsets = {tp.partition: rs[-1].offset + 1 for tp, rs in batches.items()}
-            async with listener.lock, conn.transaction():
-                fresh = {row[0] for row in await conn.fetch(CLAIM_MANY, [d[1] for d in decoded])}
-                # The first copy of each fresh key (a batch may hold a redelivery too).
-                first = []
-                for d in decoded:
-                    if d[1] in fresh:
-                        fresh.discard(d[1])
-                        first.append(d)
-                if first:
-                    await conn.execute(
-                        workload.EFFECT_MANY,
-                        [d[1] for d in first],
-                        [d[2] for d in first],
-                        [d[3] for d in first],
-                    )
-                    await conn.execute(
-                        workload.ACCOUNT_MANY, [d[2] for d in first], [d[3] for d in first]
-                    )
-                await conn.execute(
-                    STORE_OFFSETS, cfg.topic, list(next_offsets), list(next_offsets.values())
-                )
-                clock.applied(conn, [(d[0].partition, d[0].offset) for d in first])
+            async with listener.lock:
+                next_offsets = await _apply_batch(conn, cfg, clock, records)
             for partition, next_offset in next_offsets.items():
                 progress.at(partition, next_offset)
     finally:
         await consumer.stop()
         await conn.close()
+    result = clock.result(total)
+    result["assignments"] = progress.assignments
+    return result
+
+
+async def run_handwritten_concurrent(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """handwritten with partitions side by side: HANDWRITTEN_LANES connections, each its own
+    partitions (``partition % lanes``), one transaction per batch of a lane's queue.
+
+    The fetch loop hands records to the lanes' queues and pauses a lane's
+    partitions while its queue holds two batches; a lane takes what its queue
+    holds (up to HANDWRITTEN_BATCH) as soon as its last transaction committed.
+    """
+    conns = [await _connect(cfg) for _ in range(HANDWRITTEN_LANES)]
+    for conn in conns:
+        clock.watch(conn)
+    seeker = await _connect(cfg)  # the rebalance listener's own
+    consumer = _consumer(cfg, enable_auto_commit=False)
+    progress = Progress(cfg.end_offsets)
+    consumer.subscribe([cfg.topic], listener=_SeekToStored(consumer, seeker, cfg.topic, progress))
+    queues: list[collections.deque[Any]] = [collections.deque() for _ in conns]
+    more = [asyncio.Event() for _ in conns]
+    paused: set[int] = set()
+
+    async def lane(i: int) -> None:
+        while True:
+            await more[i].wait()
+            queue = queues[i]
+            records = [queue.popleft() for _ in range(min(HANDWRITTEN_BATCH, len(queue)))]
+            if not queue:
+                more[i].clear()
+            for partition, next_offset in (
+                await _apply_batch(conns[i], cfg, clock, records)
+            ).items():
+                progress.at(partition, next_offset)
+
+    await consumer.start()
+    lanes = [asyncio.create_task(lane(i)) for i in range(len(conns))]
+    try:
+        while not progress.done:
+            for task in lanes:
+                if task.done():
+                    task.result()  # raises what stopped it
+            batches = await consumer.getmany(
+                timeout_ms=100, max_records=HANDWRITTEN_BATCH * len(conns)
+            )
+            for tp, records in batches.items():
+                i = tp.partition % len(conns)
+                queues[i].extend(records)
+                more[i].set()
+            for i, queue in enumerate(queues):
+                mine = [tp for tp in consumer.assignment() if tp.partition % len(conns) == i]
+                if i not in paused and len(queue) >= 2 * HANDWRITTEN_BATCH:
+                    consumer.pause(*mine)
+                    paused.add(i)
+                elif i in paused and len(queue) < HANDWRITTEN_BATCH:
+                    consumer.resume(*mine)
+                    paused.discard(i)
+    finally:
+        for task in lanes:
+            task.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
+        await consumer.stop()
+        for conn in [*conns, seeker]:
+            await conn.close()
     result = clock.result(total)
     result["assignments"] = progress.assignments
     return result
@@ -543,7 +692,7 @@ def _dedup_handler(cfg: Config, clock: Clock) -> tuple[Any, dict[str, Any]]:
         return apply_payment, {"concurrency": 1} if cfg.arm == "hot_rows_serial" else {}
     if cfg.arm == "dedup_per_message":
         return handle_one, {"batch_size": 1}
-    options: dict[str, Any] = {"batch": True}
+    options: dict[str, Any] = {"batch": True, **cfg.dedup_options}
     if cfg.batch_size is not None:
         options["batch_size"] = cfg.batch_size
     return handle_batch, options
@@ -565,6 +714,7 @@ RUNNERS = {
     "raw": run_raw,
     "naive": run_naive,
     "handwritten": run_handwritten,
+    "handwritten_concurrent": run_handwritten_concurrent,
 }
 
 
@@ -580,7 +730,7 @@ async def prepare(cfg: Config) -> None:
             await conn.execute(workload.HOT_OPEN_ACCOUNTS, names)
             return
         await conn.execute(workload.BUSINESS_DDL)
-        if cfg.arm in ("naive", "handwritten"):
+        if cfg.arm in ("naive", "handwritten", "handwritten_concurrent"):
             await conn.execute(CLAIMS_DDL)
     finally:
         await conn.close()
@@ -607,6 +757,8 @@ async def main(cfg: Config) -> dict[str, Any]:
         measure_latency=cfg.measure_latency,
         query_times=cfg.query_times,
         ready_file=cfg.ready_file,
+        live=cfg.live,
+        warmup_s=cfg.warmup_s,
     )
     clock.install_kafka_hook()
     runner = RUNNERS.get(cfg.arm, run_dedup)

@@ -202,51 +202,74 @@ def arm_list(requested: list[str], batch_sizes: list[int]) -> list[tuple[str, in
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench``: run the benchmark, print the table, write results.json."""
-    args, requested, sizes = parse(argv)
+    args = parse(argv)
+    summary = measure(args, argv)
+    write(summary, args.out, publish=args.publish)
+    return 0
+
+
+FEEDS = ("main", "per_message", "hot")
+"""The topics of a run: the main one, the per-message arms' (``--per-message-messages``),
+the hot-row arms'."""
+
+
+def feed_of(name: str, batch_size: int | None) -> str:
+    """Which topic arm ``name`` (of ``batch_size``, in the sweep) reads."""
+    if name in arms.HOT_ARMS:
+        return "hot"
+    if name in arms.PER_MESSAGE_ARMS or (batch_size is not None and batch_size <= 10):
+        return "per_message"
+    return "main"
+
+
+def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """Fill the topics, run the rounds, delete the topics: the summary of the run."""
     hot_messages = args.hot_messages or min(args.messages, arms.HOT_MESSAGES)
+    per_message = args.per_message_messages or args.messages
     kafka, admin_dsn = services()
-    plan = arm_list(requested, sizes)
-    has_hot = any(name in arms.HOT_ARMS for name, _ in plan)
-    has_main = any(name not in arms.HOT_ARMS for name, _ in plan)
+    plan = arm_list(args.requested, args.sizes)
+    wanted = {feed_of(name, size) for name, size in plan}
 
     run_id = uuid.uuid4().hex[:8]
-    records, expected = workload.generate(args.messages, args.duplicates)
-    hot_records, hot_expected = workload.generate(
-        hot_messages, args.duplicates, accounts=workload.HOT_ACCOUNTS
-    )
-    print(f"run {run_id}: {args.partitions} partitions")
-    if has_main:
-        print(f"  {args.messages:,} records ({expected.distinct:,} distinct keys)")
-    if has_hot:
-        print(
-            f"  hot rows: {hot_messages:,} payments ({hot_expected.distinct:,} distinct) "
-            f"on {workload.HOT_ACCOUNTS} accounts"
+    sizes = {"main": args.messages, "per_message": per_message, "hot": hot_messages}
+    generated = {
+        kind: workload.generate(
+            sizes[kind],
+            args.duplicates,
+            **({"accounts": workload.HOT_ACCOUNTS} if kind == "hot" else {}),
         )
+        for kind in FEEDS
+        if kind in wanted
+    }
+    print(f"run {run_id}: {args.partitions} partitions")
+    for kind, (_, expected) in generated.items():
+        what = {
+            "main": "records",
+            "per_message": "records for the per-message arms",
+            "hot": f"hot-row payments on {workload.HOT_ACCOUNTS} accounts",
+        }[kind]
+        print(f"  {expected.messages:,} {what} ({expected.distinct:,} distinct keys)")
     topics: list[str] = []
     try:
-        feeds: dict[bool, Feed] = {}  # is it the hot-row topic -> the topic
-        if has_main:
-            feeds[False] = fill(kafka, args.partitions, records, expected, topics)
-        if has_hot:
-            feeds[True] = fill(kafka, args.partitions, hot_records, hot_expected, topics)
-        del records, hot_records
+        feeds = {
+            kind: fill(kafka, args.partitions, records, expected, topics)
+            for kind, (records, expected) in generated.items()
+        }
+        del generated
         results = run_rounds(args, plan, feeds, Target(run_id, kafka, admin_dsn))
     finally:
         for topic in topics:
             asyncio.run(workload.delete_topic(kafka, topic))
 
     summary = summarize(results)
-    summary["config"] = run_config(
-        args, argv, expected, hot_messages, hot_expected if has_hot else None
-    )
+    summary["config"] = run_config(args, argv, feeds)
     summary["machine"] = machine()
     summary["versions"] = asyncio.run(server_versions(kafka, admin_dsn))
-    write(summary, args.out, publish=args.publish)
-    return 0
+    return summary
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[int]]:
-    """The options; the arms asked for, in order; the batch sizes of the sweep."""
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options; ``requested``: the arms asked for, in order; ``sizes``: the sweep's."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--messages", type=int, default=200_000, help="records in the topic")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of all arms")
@@ -264,6 +287,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[i
         type=int,
         help="payments in the hot-row arms' topic (default: --messages, at most "
         f"{arms.HOT_MESSAGES:,})",
+    )
+    parser.add_argument(
+        "--per-message-messages",
+        type=int,
+        help="records in the topic of the one-transaction-per-message arms (naive, "
+        "dedup_per_message, dedup_batch@1 and @10; default: --messages)",
     )
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--duplicates", type=float, default=0.10, help="share of duplicate keys")
@@ -291,8 +320,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[i
     if batch_sizes is None:
         # Arms named on the command line are a run of those arms alone.
         batch_sizes = "" if args.arms is not None else ",".join(map(str, DEFAULT_BATCH_SIZES))
-    sizes = [int(s) for s in batch_sizes.split(",") if s.strip()]
-    return args, requested, sizes
+    args.requested = requested
+    args.sizes = [int(s) for s in batch_sizes.split(",") if s.strip()]
+    return args
 
 
 @dataclass(frozen=True)
@@ -310,14 +340,14 @@ class Target:
 def run_rounds(
     args: argparse.Namespace,
     plan: list[tuple[str, int | None]],
-    feeds: dict[bool, Feed],
+    feeds: dict[str, Feed],
     target: Target,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every arm of ``plan``, round after round (A B C ... A B C ...): each arm's results."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in plan}
     for rnd in range(1, args.rounds + 1):
         for name, size in plan:
-            feed = feeds[name in arms.HOT_ARMS]
+            feed = feeds[feed_of(name, size)]
             tag = name.replace("@", "_bs")
             database = f"bench_{target.run_id}_{tag}_r{rnd}"
             cfg = arms.Config(
@@ -340,31 +370,41 @@ def run_rounds(
 
 
 def run_config(
-    args: argparse.Namespace,
-    argv: list[str] | None,
-    expected: workload.Workload,
-    hot_messages: int,
-    hot_expected: workload.Workload | None,
+    args: argparse.Namespace, argv: list[str] | None, feeds: dict[str, Feed]
 ) -> dict[str, Any]:
-    """What the run measured, for results.json; ``hot_expected`` when hot-row arms ran."""
-    hot_rows = (
-        None
-        if hot_expected is None
-        else {
-            "messages": hot_messages,
-            "distinct_keys": hot_expected.distinct,
-            "accounts": workload.HOT_ACCOUNTS,
-        }
-    )
+    """What the run measured, for results.json."""
+    main = feeds.get("main")
+    per_message = feeds.get("per_message")
+    hot = feeds.get("hot")
     return {
         "messages": args.messages,
-        "distinct_keys": expected.distinct,
+        "distinct_keys": main.expected.distinct if main else None,
+        **(
+            {
+                "per_message": {
+                    "messages": per_message.expected.messages,
+                    "distinct_keys": per_message.expected.distinct,
+                }
+            }
+            if per_message is not None and per_message is not main
+            else {}
+        ),
         "duplicate_ratio": args.duplicates,
         "partitions": args.partitions,
         "rounds": args.rounds,
         "record_bytes": 200,
         "handwritten_batch": arms.HANDWRITTEN_BATCH,
-        **({"hot_rows": hot_rows} if hot_rows is not None else {}),
+        **(
+            {
+                "hot_rows": {
+                    "messages": hot.expected.messages,
+                    "distinct_keys": hot.expected.distinct,
+                    "accounts": workload.HOT_ACCOUNTS,
+                }
+            }
+            if hot is not None
+            else {}
+        ),
         "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }

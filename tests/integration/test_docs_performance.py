@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -23,6 +24,8 @@ from tests.conftest import ROOT, Services
 
 PAGE = ROOT / "docs" / "performance.md"
 SHRINK = ["--messages", "400", "--rounds", "1"]
+LIVE_SHRINK = ["--rates", "1000", "--seconds", "1"]
+"""A live run of 1 s at 1,000 msg/s (after the profile's warm-up) per arm."""
 
 
 def commands() -> list[list[str]]:
@@ -31,19 +34,16 @@ def commands() -> list[list[str]]:
     return [shlex.split(line) for block in blocks for line in block.splitlines() if line.strip()]
 
 
+MAKE_TARGETS = {"bench": ["quick"], "bench-full": ["full", "--publish"], "bench-soak": ["soak"]}
+
+
 def as_python(words: list[str]) -> list[str]:
-    """``make bench[-soak] BENCH_ARGS=...`` or ``.venv/bin/python -m ...`` as an argv for us."""
+    """``make bench[-full|-soak] BENCH_ARGS=...`` or ``.venv/bin/python -m ...`` as our argv."""
     if words[0] == "make":
         target, *rest = words[1:]
         bench_args = [w.removeprefix("BENCH_ARGS=") for w in rest if w.startswith("BENCH_ARGS=")]
         extra = shlex.split(bench_args[0]) if bench_args else []
-        return [
-            sys.executable,
-            "-m",
-            "bench",
-            *(["soak"] if target == "bench-soak" else []),
-            *extra,
-        ]
+        return [sys.executable, "-m", "bench", *MAKE_TARGETS[target], *extra]
     assert words[0] == ".venv/bin/python", f"unexpected command in {PAGE.name}: {words}"
     return [sys.executable, *words[1:]]
 
@@ -67,7 +67,8 @@ def test_the_page_lists_the_commands_this_test_runs() -> None:
     found = {" ".join(w[:3]) for w in commands()}
     assert found == {
         "make bench",
-        "make bench BENCH_ARGS=--messages 50000 --rounds 3",
+        "make bench-full",
+        "make bench BENCH_ARGS=--sections live --rounds 2",
         ".venv/bin/python -m bench",
         ".venv/bin/python -m bench.report",
         "make bench-soak",
@@ -75,7 +76,14 @@ def test_the_page_lists_the_commands_this_test_runs() -> None:
     }
 
 
-@pytest.mark.parametrize(("target", "module"), [("bench", "bench"), ("bench-soak", "bench soak")])
+@pytest.mark.parametrize(
+    ("target", "module"),
+    [
+        ("bench", "bench quick"),
+        ("bench-full", "bench full --publish"),
+        ("bench-soak", "bench soak"),
+    ],
+)
 def test_make_targets_pass_bench_args_to_the_harness(target: str, module: str) -> None:
     # make's own recipe, printed but not run: BENCH_ARGS reach `python -m bench`.
     dry = subprocess.run(
@@ -95,11 +103,34 @@ def test_make_targets_pass_bench_args_to_the_harness(target: str, module: str) -
     ids=lambda w: " ".join(w)[:60],
 )
 def test_benchmark_commands(words: list[str], services: Services, tmp_path: Path) -> None:
-    argv = [*as_python(words), *SHRINK, "--out", str(tmp_path / "results.json")]
+    argv = as_python(words)
+    suite = argv[3] in ("quick", "full")
+    live = argv[3] == "live"
+    if live:
+        argv += [*LIVE_SHRINK, "--rounds", "1"]
+    else:
+        argv += [*SHRINK, *(LIVE_SHRINK if suite else [])]
+    argv += ["--out", str(tmp_path / "results.json")]
     if "--profile" in argv:
         argv += ["--profile", str(tmp_path / "profiles")]
+    if "--publish" in argv:
+        # make bench-full's throughput section is make bench's, run longer: here only
+        # its live section, published into a copy of the page.
+        argv += ["--sections", "live"]
+        docs = tmp_path / "docs"
+        docs.mkdir()
+        shutil.copy(PAGE, docs / PAGE.name)
+        argv += ["--docs", str(docs)]
     out = run(argv, services)
-    summary = orjson.loads((tmp_path / "results.json").read_bytes())
+    results = orjson.loads((tmp_path / "results.json").read_bytes())
+    if live:
+        assert_live(results, out)
+        return
+    if suite:
+        assert_suite(results, out, argv)
+        if "throughput" not in results["sections"]:
+            return
+    summary = results["sections"]["throughput"] if suite else results
     assert "msgs/s (median)" in out
     assert summary["config"]["messages"] == 400
     assert summary["arms"], out
@@ -109,6 +140,30 @@ def test_benchmark_commands(words: list[str], services: Services, tmp_path: Path
     assert {"machine", "versions", "ratios", "targets"} <= set(summary)
     if "--profile" in argv:
         assert sorted(p.name for p in (tmp_path / "profiles").iterdir())
+
+
+def assert_live(results: dict[str, Any], out: str) -> None:
+    """A live run: every arm measured at every rate, with its percentiles; the targets judged."""
+    assert "p99.9 ms" in out
+    for by_arm in results["rates"].values():
+        for name, entry in by_arm.items():
+            assert not entry["void"], f"{name}: {entry.get('why_void')}"
+            assert 0 < entry["p50_ms"] <= entry["p99_ms"] <= entry["p999_ms"]
+    assert {t["status"] for t in results["targets"]} <= {"pass", "fail"}
+
+
+def assert_suite(results: dict[str, Any], out: str, argv: list[str]) -> None:
+    """quick/full: each section's results, every target printed with its verdict."""
+    assert "== every target" in out
+    for verdict in results["targets"]:
+        assert verdict["target"] in out
+    if "live" in results["sections"]:
+        assert_live(results["sections"]["live"], out)
+    if "--publish" in argv:
+        docs = Path(argv[argv.index("--docs") + 1])
+        page = (docs / PAGE.name).read_text()
+        assert "From one run of `make bench-full" in page
+        assert (docs / "img" / "live-latency.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

@@ -58,12 +58,14 @@ def test_a_void_or_missing_arm_leaves_its_round_out() -> None:
 def test_targets_pass_fail_and_not_measured() -> None:
     ratios = {
         "dedup_batch/handwritten": {"median": 0.7},
+        "dedup_batch/handwritten_concurrent": {"median": 0.79},
         "dedup_batch/naive": {"median": 9.99},
         "dedup_batch_traced/dedup_batch": {"median": 0.9},
     }
     verdicts = {v["ratio"]: v["status"] for v in stats.evaluate_targets(ratios)}
     assert verdicts == {
         "dedup_batch/handwritten": "pass",  # the threshold itself passes
+        "dedup_batch/handwritten_concurrent": "fail",
         "dedup_batch/naive": "fail",
         "dedup_per_message/naive": "n/a",
         "dedup_batch_traced/dedup_batch": "pass",
