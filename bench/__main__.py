@@ -1,4 +1,5 @@
-"""``python -m bench`` runs the benchmark; ``python -m bench soak`` the memory soak."""
+"""``python -m bench`` runs the benchmark; ``soak`` the memory soak; ``table-size`` throughput
+against the number of keys stored."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ if __name__ == "__main__":
         from bench import soak
 
         sys.exit(soak.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["table-size"]:
+        from bench import table_size
+
+        sys.exit(table_size.main(sys.argv[2:]))
     from bench import run
 
     sys.exit(run.main(sys.argv[1:]))
