@@ -86,9 +86,14 @@ SELECT pg_relation_size('{SCHEMA}.processed') AS heap_bytes,
        (SELECT setting::bigint * 8192 FROM pg_settings WHERE name = 'shared_buffers')
            AS shared_buffers_bytes
 """
-INDEX_IO = f"""
-SELECT coalesce(idx_blks_read, 0) AS read, coalesce(idx_blks_hit, 0) AS hit
-  FROM pg_statio_user_indexes WHERE schemaname = '{SCHEMA}' AND indexrelname = 'processed_pkey'
+# The index's blocks read from outside shared buffers; the WAL written and the
+# checkpoints taken, server-wide (other databases' work counts too, if any).
+COUNTERS = f"""
+SELECT coalesce((SELECT idx_blks_read FROM pg_statio_user_indexes
+                  WHERE schemaname = '{SCHEMA}' AND indexrelname = 'processed_pkey'), 0) AS read,
+       (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint AS wal_bytes,
+       (SELECT checkpoints_req + checkpoints_timed FROM pg_stat_bgwriter) AS checkpoints,
+       (SELECT wal_fpi FROM pg_stat_wal) AS wal_fpi
 """
 AUTOVACUUMS = """
 SELECT count(*) FROM pg_stat_activity
@@ -221,7 +226,7 @@ def one_round(place: Place, topic: run.Feed) -> dict[str, Any]:
     if place.empty:
         reset.append(f"TRUNCATE {SCHEMA}.processed")
     asyncio.run(dev_database.execute(place.dsn, *reset))
-    before = asyncio.run(_fetchrow(place.dsn, INDEX_IO))
+    before = asyncio.run(_fetchrow(place.dsn, COUNTERS))
     cfg = arms.Config(
         arm="dedup_batch",
         bootstrap_servers=place.kafka,
@@ -233,14 +238,20 @@ def one_round(place: Place, topic: run.Feed) -> dict[str, Any]:
         query_times=True,
     )
     result = run.arm_process(cfg)
-    after = asyncio.run(_fetchrow(place.dsn, INDEX_IO))
+    after = asyncio.run(_fetchrow(place.dsn, COUNTERS))
     claims = [s for s in result.get("statements", []) if s["sql"] == CLAIM_SQL]
     calls = sum(s["calls"] for s in claims)
     if calls:
         result["claim_calls"] = calls
         result["claim_ms"] = round(1000 * sum(s["total_s"] for s in claims) / calls, 2)
     keys = topic.expected.messages
-    result["index_reads_per_key"] = round((after.get("read", 0) - before.get("read", 0)) / keys, 3)
+    result["index_reads_per_key"] = round((after["read"] - before["read"]) / keys, 3)
+    result["wal_kib_per_record"] = round(
+        (after["wal_bytes"] - before["wal_bytes"]) / keys / 1024, 2
+    )
+    result["checkpoints"] = after["checkpoints"] - before["checkpoints"]
+    # Full-page images: the first change to a page after each checkpoint logs all 8 KiB of it.
+    result["wal_fpi_per_record"] = round((after["wal_fpi"] - before["wal_fpi"]) / keys, 3)
     return result
 
 
@@ -256,7 +267,9 @@ def _line(label: str, result: dict[str, Any]) -> str:
     return (
         f"  {label:>22}: {result['msgs_per_s']:>9,.0f} msg/s, claim "
         f"{result.get('claim_ms', '-')} ms/call, {result['index_reads_per_key']} index "
-        "reads/record"
+        f"reads, {result.get('wal_kib_per_record', '-')} KiB of WAL and "
+        f"{result.get('wal_fpi_per_record', '-')} full-page images per record, "
+        f"{result.get('checkpoints', '-')} checkpoints"
     )
 
 
@@ -443,7 +456,13 @@ def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if r.get("ok")]
     return {
         figure: _spread([r.get(figure) for r in ok])["median"]
-        for figure in ("msgs_per_s", "claim_ms", "index_reads_per_key")
+        for figure in (
+            "msgs_per_s",
+            "claim_ms",
+            "index_reads_per_key",
+            "wal_kib_per_record",
+            "wal_fpi_per_record",
+        )
     } | {"void": len(ok) < len(results)}
 
 
@@ -504,13 +523,17 @@ def markdown(summary: dict[str, Any], image: str | None = PLOT) -> str:
         f"paired ratios. Postgres's `shared_buffers`: {_mib(shared)}. The claim is "
         "`fence_and_claim`, one statement per batch of up to 500 keys (mean time per call); "
         "index reads are blocks of the primary key read from outside shared buffers, per "
-        "record.",
+        "record; WAL and its full-page images are what the server wrote during the round, "
+        "per record.",
         "",
         "| keys stored | fill (s) | table | index | msgs/s (median) | empty table, same "
-        "rounds | x empty (median, min-max) | claim ms/call | index reads/record |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "rounds | x empty (median, min-max) | claim ms/call | index reads/record "
+        "| WAL KiB/record | full-page images/record |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| 0 | - | - | - | {_num(empty['msgs_per_s'])} | - | 1 | {_num(empty['claim_ms'], 1)} "
-        f"| {_num(empty['index_reads_per_key'], 3)} |",
+        f"| {_num(empty['index_reads_per_key'], 3)} "
+        f"| {_num(empty.get('wal_kib_per_record'), 1)} "
+        f"| {_num(empty.get('wal_fpi_per_record'), 2)} |",
     ]
     for e in sizes:
         r = e["ratio"]
@@ -519,7 +542,9 @@ def markdown(summary: dict[str, Any], image: str | None = PLOT) -> str:
             f"| {_mib(e['index_bytes'])} | {_num(e['msgs_per_s'])} "
             f"| {_num(e['empty_msgs_per_s'])} "
             f"| {_num(r['median'], 2)} ({_num(r['min'], 2)}-{_num(r['max'], 2)}) "
-            f"| {_num(e['claim_ms'], 1)} | {_num(e['index_reads_per_key'], 3)} |"
+            f"| {_num(e['claim_ms'], 1)} | {_num(e['index_reads_per_key'], 3)} "
+            f"| {_num(e.get('wal_kib_per_record'), 1)} "
+            f"| {_num(e.get('wal_fpi_per_record'), 2)} |"
         )
     purge = summary.get("purge")
     if purge is not None:

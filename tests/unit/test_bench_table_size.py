@@ -57,7 +57,7 @@ def test_verdicts_come_from_the_paired_ratios_not_from_medians_taken_apart() -> 
     assert [(t["value"], t["passed"]) for t in summary["targets"]] == [(0.8, True), (0.7, False)]
     summary["config"] = {"messages": 100_000, "rounds": 3, "command": "x", "wall_s": 1200}
     page = table_size.markdown(summary)
-    assert "| 50,000,000 | 600 | 8,192 MiB | 4,096 MiB | 400 |" in page
+    assert "| 50,000,000 | 600 | 8,192 MiB | 4,096 MiB | 400 | 600 | 0.80 (0.65-0.80) |" in page
     assert "`shared_buffers`: 256 MiB" in page
     assert "| dedup_batch during purge / right after it >= 0.8 | 0.70 | FAIL |" in page
     assert "10,000,000 expired keys" in page
