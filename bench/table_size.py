@@ -109,7 +109,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_SIZES,
         help="keys stored before each measurement (0, the empty table, is always measured)",
     )
-    parser.add_argument("--messages", type=int, default=200_000, help="records per round")
+    parser.add_argument("--messages", type=int, default=100_000, help="records per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds at each size")
     parser.add_argument(
         "--purge-keys",
