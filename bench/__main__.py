@@ -1,6 +1,6 @@
-"""``python -m bench`` runs the throughput benchmark; ``python -m bench soak`` the memory
-soak; ``python -m bench live`` the live-stream latency; ``python -m bench quick`` and
-``python -m bench full`` every section with every target (``make bench``, ``make bench-full``)."""
+"""``python -m bench`` runs the throughput benchmark; ``soak`` the memory soak; ``live`` the
+live-stream latency; ``table-size`` throughput against the number of keys stored; ``quick``
+and ``full`` every section with every target (``make bench``, ``make bench-full``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ if __name__ == "__main__":
         from bench import live
 
         sys.exit(live.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["table-size"]:
+        from bench import table_size
+
+        sys.exit(table_size.main(sys.argv[2:]))
     from bench import run
 
     sys.exit(run.main(sys.argv[1:]))

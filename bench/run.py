@@ -127,35 +127,40 @@ def run_arm(
     """
     asyncio.run(dev_database.create(admin_dsn, database))
     try:
-        with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
-            f.write(orjson.dumps(cfg.__dict__))
-        started = time.monotonic()
-        command = [sys.executable, "-m", "bench.arms", f.name]
-        if profile is not None:
-            profile.parent.mkdir(parents=True, exist_ok=True)
-            command[1:1] = ["-m", "pyinstrument", "-r", "text", "--show-all", "-o", str(profile)]
-        try:
-            proc = subprocess.run(
-                command,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=cfg.timeout_s + 60,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return {"arm": cfg.arm, "ok": False, "error": f"killed after {cfg.timeout_s + 60:.0f}s"}
-        finally:
-            Path(f.name).unlink()
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            return {"arm": cfg.arm, "ok": False, "error": f"exit {proc.returncode}: {tail}"}
-        result: dict[str, Any] = orjson.loads(lines[-1])
-        result["wall_s"] = round(time.monotonic() - started, 1)
-        return result
+        return arm_process(cfg, profile)
     finally:
         asyncio.run(dev_database.drop(admin_dsn, database))
+
+
+def arm_process(cfg: arms.Config, profile: Path | None = None) -> dict[str, Any]:
+    """Run one arm in its own process on the database ``cfg.dsn`` names, as it is."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
+        f.write(orjson.dumps(cfg.__dict__))
+    started = time.monotonic()
+    command = [sys.executable, "-m", "bench.arms", f.name]
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        command[1:1] = ["-m", "pyinstrument", "-r", "text", "--show-all", "-o", str(profile)]
+    try:
+        proc = subprocess.run(
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=cfg.timeout_s + 60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"arm": cfg.arm, "ok": False, "error": f"killed after {cfg.timeout_s + 60:.0f}s"}
+    finally:
+        Path(f.name).unlink()
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        return {"arm": cfg.arm, "ok": False, "error": f"exit {proc.returncode}: {tail}"}
+    result: dict[str, Any] = orjson.loads(lines[-1])
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    return result
 
 
 @dataclass(frozen=True)
