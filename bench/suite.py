@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from bench import live, report, run
+from bench import live, report, run, table_size
 
 Summary = dict[str, Any]
 Verdict = dict[str, Any]
@@ -118,6 +118,40 @@ def _live_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _table_size_measure(argv: list[str]) -> Summary:
+    return table_size.measure(table_size.parse(argv), argv)
+
+
+def _table_size_targets(summary: Summary) -> list[Verdict]:
+    return [
+        {
+            "target": f"table size: {t['name'].rsplit(' >= ', 1)[0]}",
+            "value": t["value"],
+            "limit": f">= {t['name'].rsplit(' >= ', 1)[1]}",
+            "status": "n/a" if t["value"] is None else "pass" if t["passed"] else "fail",
+        }
+        for t in summary["targets"]
+    ]
+
+
+def _table_size_overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        *(["--rounds", str(args.rounds)] if args.rounds else []),
+        *(["--messages", str(args.messages)] if args.messages else []),
+        # One size, half of it purged.
+        *(["--sizes", f"0,{args.keys}", "--purge-keys", str(args.keys // 2)] if args.keys else []),
+    ]
+
+
+TABLE_SIZE_RESULTS = "performance-table-size-results.json"
+
+
+def _table_size_publish(summary: Summary, docs: Path) -> list[Path]:
+    copy = docs / TABLE_SIZE_RESULTS
+    copy.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
+    return [copy, table_size.plot(summary, docs / table_size.PLOT)]
+
+
 SECTIONS: list[Section] = [
     Section(
         name="throughput",
@@ -150,14 +184,25 @@ SECTIONS: list[Section] = [
         publish=_live_publish,
         overrides=_live_overrides,
     ),
-    # The table-size section (bench/table_size.py, `python -m bench table-size`)
-    # plugs in here, e.g.
-    #   Section(name="table-size", quick=(...), full=(...),
-    #           measure=lambda argv: table_size.measure(table_size.parse(argv)),
-    #           targets=..., table=..., markdown=table_size.markdown, publish=...,
-    #           overrides=lambda args: ["--rounds", str(args.rounds)] if args.rounds else []),
-    # with a <!-- bench:table-size:begin --> ... <!-- bench:table-size:end --> pair
-    # in docs/performance.md; its targets join the page's table of every target.
+    Section(
+        name="table-size",
+        # Quick: a million keys stored, enough to see the claim's index leave the
+        # cache's sweet spot; full: the issue's 10 M and 50 M (a 10 M purge).
+        quick=(
+            "--sizes", "0,1000000", "--messages", "30000", "--rounds", "1",
+            "--purge-keys", "500000",
+        ),
+        full=(
+            "--sizes", "0,10000000,50000000", "--messages", "100000", "--rounds", "2",
+            "--purge-keys", "10000000",
+        ),
+        measure=_table_size_measure,
+        targets=_table_size_targets,
+        table=lambda summary: table_size.markdown(summary, image=None),
+        markdown=table_size.markdown,
+        publish=_table_size_publish,
+        overrides=_table_size_overrides,
+    ),
 ]  # fmt: skip
 """The sections, in the order they run."""
 
@@ -177,6 +222,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--seconds", type=float, help="measured seconds per live run")
     parser.add_argument("--rates", help="the live section's rates, comma-separated msg/s")
+    parser.add_argument("--keys", type=int, help="keys stored in the table-size section's run")
     parser.add_argument(
         "--out", type=Path, default=run.ROOT / "bench" / "results-suite.json", help="results JSON"
     )

@@ -376,6 +376,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_results is not None:
         show(orjson.loads(args.from_results.read_bytes()), publish=args.publish)
         return 0
+    summary = measure(args, argv if argv is not None else sys.argv[1:])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    show(summary, publish=args.publish)
+    print(f"\nwritten: {args.out}")
+    return 0
+
+
+def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Fill, measure each size (and the purge); the summary with its targets."""
     kafka, admin_dsn = run.services()
     if not run.dedup_available():
         sys.exit("table-size needs dedup.IdempotentConsumer")
@@ -423,17 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         "purge_keys": args.purge_keys,
         "partitions": args.partitions,
         "duplicate_ratio": args.duplicates,
-        "command": "python -m bench table-size "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m bench table-size", *argv]),
         "wall_s": round(time.monotonic() - began),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     summary["machine"] = run.machine()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    show(summary, publish=args.publish)
-    print(f"\nwritten: {args.out}")
-    return 0
+    return summary
 
 
 def show(summary: dict[str, Any], *, publish: bool) -> None:
