@@ -50,7 +50,7 @@ from dedup_dev.children import Child
 from dedup_dev.services import read_env
 from tests import helpers
 from tests.chaos import driver, oracle, scenarios
-from tests.chaos.services import STANDBY_PORT, ChaosServices, ServicesError, pg_bin
+from tests.chaos.services import STANDBY_PORT, ChaosServices, ServicesError, pg_bin, pid_alive
 
 STANDBY_NAME = "chaos_standby"
 """The standby's ``cluster_name``: the name its walreceiver reports to the primary."""
@@ -202,7 +202,9 @@ class Standby:
         for p in every:
             os.kill(p, signal.SIGKILL)
         for _ in range(600):
-            if not any(_alive(p) for p in every):
+            # Gone, and the postmaster reaped too: until then its pid answers, and a
+            # Postgres started on its data directory sees the lock file as held.
+            if not any(_alive(p) for p in every) and not pid_alive(pid):
                 return
             await asyncio.sleep(0.05)
         raise ServicesError(f"the killed primary (pid {pid}) did not go away in 30 s")

@@ -60,7 +60,7 @@ def script_env(directory: Path) -> dict[str, str]:
     return env
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -204,7 +204,7 @@ class ChaosServices:
         # live pid for a running server: wait until it is really gone.
         pid = int((self.directory / "postgres" / "pid").read_text().strip())
         for _ in range(600):
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 return
             await asyncio.sleep(0.05)
         raise ServicesError(f"the crashed postmaster (pid {pid}) did not go away in 30 s")
@@ -255,7 +255,7 @@ def pg_bin() -> Path:
 def _service_alive(service: Path) -> bool:
     """Whether the pid ``up`` recorded for a service is alive."""
     try:
-        return _pid_alive(int((service / "pid").read_text().strip()))
+        return pid_alive(int((service / "pid").read_text().strip()))
     except (OSError, ValueError):
         return False
 
@@ -266,6 +266,6 @@ def _enclosing_owner(owner_file: Path) -> int | None:
         pid = int(owner_file.read_text().strip())
     except (OSError, ValueError):
         return None
-    if pid == os.getpid() or not _pid_alive(pid):
+    if pid == os.getpid() or not pid_alive(pid):
         return None
     return pid
