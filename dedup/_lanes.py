@@ -18,7 +18,9 @@ locks, yet can't close a cycle: whoever holds it has claimed already, and
 none of its remaining statements waits for a claim.  A batch that waits
 first drops its claim's snapshot (``drop_snapshot``): held, it would keep
 Postgres from pruning the dead versions the handler that runs meanwhile
-leaves on the hot rows, and make every update of theirs slower.
+leaves on the hot rows, and make every update of theirs slower.  It runs that
+statement again every third of the idle timeout while it waits, so the server
+never cuts a session that only waits for its turn.
 
 So a hot-row batch costs at most one retry: run again under a turn, its
 handler meets no other turn's rows, and a transaction begun before the lanes
@@ -40,7 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -74,9 +76,24 @@ class Turn:
         """Whose advisory lock is the group's turn (``serialize_group``)."""
         self._held = False
 
-    async def wait(self) -> None:
-        """Wait for the consumer's turn (the caller then takes the group's in Postgres)."""
-        await self._mine.acquire()
+    async def wait(self, keepalive: Callable[[], Awaitable[object]], every: float | None) -> None:
+        """Wait for the consumer's turn, calling ``keepalive`` every ``every`` seconds meanwhile.
+
+        The waiting batch's transaction is idle on the server: ``keepalive`` (a
+        statement) keeps ``idle_in_transaction_session_timeout`` from cutting it.
+        ``asyncio.wait`` on the acquire, not ``wait_for``, which on Python 3.11
+        can drop an acquisition that raced its timeout.
+        """
+        acquire = asyncio.ensure_future(self._mine.acquire())
+        try:
+            while not (await asyncio.wait({acquire}, timeout=every))[0]:
+                await keepalive()
+        except BaseException:
+            if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                self._mine.release()
+            else:
+                acquire.cancel()
+            raise
         self._held = True
 
     def end(self) -> None:

@@ -271,7 +271,7 @@ class Store:
         await self._sort_claimed(conn, result, rows, first, copies)
         if result.applied:
             if turn is not None:
-                await self._take_turn(conn, turn)
+                await self._take_turn(conn, turn, idle_timeout)
             await handler_.run(
                 handler,
                 batch_handler=batch_handler,
@@ -286,10 +286,16 @@ class Store:
         await outcomes.record(conn, self.queries, self.namespace, result, fence)
         return result
 
-    async def _take_turn(self, conn: asyncpg.Connection, turn: lanes.Turn) -> None:
+    async def _take_turn(
+        self, conn: asyncpg.Connection, turn: lanes.Turn, idle_timeout: float | None
+    ) -> None:
         """Wait for the consumer's turn, then the group's (:mod:`dedup._lanes`)."""
-        await self.queries.drop_snapshot.execute(conn)
-        await turn.wait()
+
+        async def drop_snapshot() -> str:
+            return await self.queries.drop_snapshot.execute(conn)
+
+        await drop_snapshot()
+        await turn.wait(drop_snapshot, None if idle_timeout is None else idle_timeout / 3)
         await self.queries.serialize_group.execute(conn, group_id=turn.group_id)
 
     async def claim(

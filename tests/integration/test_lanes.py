@@ -137,3 +137,48 @@ async def test_on_serial_lanes_a_claim_runs_while_another_handler_holds_the_turn
     assert ran == ["first", "second"]
     keys = await pool.fetch("SELECT idempotency_key FROM dedup.processed ORDER BY 1")
     assert [r["idempotency_key"] for r in keys] == ["a", "b"]
+
+
+async def test_a_batch_waiting_for_its_turn_outlives_the_idle_timeout(pool: Any) -> None:
+    """The server's idle-in-transaction timeout cuts sessions that idle; a batch that only
+    waits for its turn keeps its session alive (it is not a handler failure)."""
+    writes = store.Store(schema="dedup", namespace="lanes")
+    mine = asyncio.Lock()
+    holder, waiter = lanes.Turn(mine, "group-b"), lanes.Turn(mine, "group-b")
+    ran: list[str] = []
+
+    async def handler(msg: dedup.Message, tx: dedup.Tx) -> None:
+        ran.append(msg.idempotency_key or "")
+
+    async with pool.acquire() as one, pool.acquire() as two:
+        async with one.transaction():
+            await holder.wait(_nothing, None)  # the turn is taken: the next waits
+            waiting = asyncio.create_task(_batch(writes, two, waiter, handler, idle_timeout=0.5))
+            # Three times the idle timeout: without keep-alives the server would cut it.
+            await asyncio.sleep(1.5)
+            assert not waiting.done()
+        holder.end()
+        await asyncio.wait_for(waiting, 10)
+    assert ran == ["w"]
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def _batch(
+    writes: store.Store, conn: Any, turn: lanes.Turn, handler: Any, idle_timeout: float
+) -> None:
+    try:
+        async with conn.transaction():
+            await writes.apply(
+                conn,
+                [one_message("w", 3)],
+                handler=handler,
+                batch_handler=False,
+                fence=None,
+                idle_timeout=idle_timeout,
+                turn=turn,
+            )
+    finally:
+        turn.end()

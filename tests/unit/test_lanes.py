@@ -9,6 +9,7 @@ import asyncpg
 import pytest
 
 from dedup import _lanes as lanes
+from tests import helpers
 
 
 def test_a_deadlock_or_a_lock_wait_on_a_shared_lane_means_contention() -> None:
@@ -32,18 +33,38 @@ async def test_a_lane_is_shared_unless_the_lanes_are_serial_and_then_batches_tak
     assert ls.serial
     async with ls.lane() as lane:
         assert not lane.shared
-    first, second = ls.turn("g"), ls.turn("g")
-    assert first is not None and second is not None
-    await first.wait()
-    waiting = asyncio.create_task(second.wait())
-    await asyncio.sleep(0)
+    first, second, third = ls.turn("g"), ls.turn("g"), ls.turn("g")
+    assert first is not None and second is not None and third is not None
+    pings: list[str] = []
+
+    async def keepalive() -> None:
+        pings.append("ping")
+
+    await first.wait(keepalive, None)
+    waiting = asyncio.create_task(second.wait(keepalive, 0.01))
+    # While it waits, the waiting batch keeps its idle session alive.
+    await helpers.wait_for(lambda: _at_least(pings, 2), within=5, what="two keep-alives")
     assert not waiting.done()  # one handler at a time in the consumer
+    # A batch cancelled while it waits (a shutdown) leaves the turns as they were.
+    given_up = asyncio.create_task(third.wait(keepalive, None))
+    await asyncio.sleep(0)
+    given_up.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await given_up
     first.end()
     first.end()  # ending twice (a rollback after a failed commit) frees one turn only
     await asyncio.wait_for(waiting, 1)
     second.end()
+    third_again = ls.turn("g")
+    assert third_again is not None
+    await asyncio.wait_for(third_again.wait(keepalive, None), 1)  # free again
+    third_again.end()
     async with lanes.Lanes(pool, 1).lane() as lane:  # concurrency=1: nothing to share
         assert not lane.shared
+
+
+async def _at_least(items: list[str], n: int) -> bool:
+    return len(items) >= n
 
 
 def test_the_cool_down_doubles_only_for_a_new_tangle(monkeypatch: pytest.MonkeyPatch) -> None:
