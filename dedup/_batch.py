@@ -9,37 +9,58 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiokafka.structs import TopicPartition
 
+from dedup import _db as db
 from dedup import _db_telemetry as db_telemetry
+from dedup import _errors as errors
 from dedup import _faults as faults
 from dedup import _lanes as lanes
 from dedup import _message as message_
 from dedup import _semconv as semconv
 from dedup import _store as store
 from dedup import _telemetry as telemetry
+from dedup import keys
 
 if TYPE_CHECKING:
     from dedup import _worker as worker
 
 log = logging.getLogger("dedup.worker")
 
+SHARED_HANDLER_TIMEOUT = 1.0
+"""Seconds a handler may take in a transaction shared with other partitions' batches.
+
+It holds them all up, so past this it is cut and every batch runs alone, each
+handler with the full ``handler_timeout``: a hung handler holds up only its own
+partition."""
+
+
+@dataclass
+class Part:
+    """One partition's batch in a transaction: its messages and dead letters, under its fence."""
+
+    tp: TopicPartition
+    fence: store.Fence
+    msgs: list[message_.Message]
+    dead: list[store.DeadLetter]
+
 
 async def transaction(
     lane: lanes.Lane,
     settings: worker.Settings,
     turn: lanes.Turn | None,
-    tp: TopicPartition,
-    fence: store.Fence,
-    msgs: list[message_.Message],
-    dead: list[store.DeadLetter],
+    parts: Sequence[Part],
     stats: MutableMapping[str, int],
-) -> store.BatchResult:
-    """Apply ``msgs`` and write ``dead`` in one transaction on ``lane``, under ``fence``.
+) -> list[store.BatchResult]:
+    """Apply ``parts`` in one transaction on ``lane``, each under its fence; their results.
 
+    Usually one partition's batch; a lane's transaction may carry the small
+    batches of several partitions (:meth:`dedup._lanes.Lanes.gather`), each
+    fenced, claimed and handled as if alone, then one COMMIT for all.
     ``turn``: the lanes deadlocked lately, so the handler waits for its turn
     (:mod:`dedup._lanes`).  Raises what the store raises.
 
@@ -49,24 +70,26 @@ async def transaction(
     COMMIT included.
     """
     s = settings
-    count = len(msgs) + len(dead)
-    attributes = _process_attributes(s, tp, fence.token, msgs, dead)
-    links, dropped = telemetry.producer_links(m.raw_headers for m in msgs)
+    attributes = _process_attributes(s, parts)
+    links, dropped = telemetry.producer_links(m.raw_headers for p in parts for m in p.msgs)
     if dropped:
         attributes["dedup.links.dropped"] = dropped
-    measured = {**_messaging(s, tp), "messaging.operation.name": "process"}
+    measured = [{**_messaging(s, p.tp), "messaging.operation.name": "process"} for p in parts]
     started = time.perf_counter()
     try:
-        with telemetry.consumer_span(f"process {tp.topic}", attributes, links):
+        with telemetry.consumer_span(f"process {parts[0].tp.topic}", attributes, links):
             conn = await lane.connection()
-            result, elapsed = await _transaction(lane, conn, s, turn, fence, msgs, dead)
+            results, elapsed = await _transaction(lane, conn, s, turn, parts)
     except BaseException as exc:
-        measured["error.type"] = semconv.error_type(exc)
+        for m in measured:
+            m["error.type"] = semconv.error_type(exc)
         raise
     finally:
-        telemetry.record(telemetry.process_duration, time.perf_counter() - started, measured)
-    _count(stats, s, tp, result, count, elapsed)
-    return result
+        for m in measured:
+            telemetry.record(telemetry.process_duration, time.perf_counter() - started, m)
+    for part, result in zip(parts, results, strict=True):
+        _count(stats, s, part.tp, result, len(part.msgs) + len(part.dead), elapsed)
+    return results
 
 
 async def _transaction(
@@ -74,17 +97,13 @@ async def _transaction(
     conn: Any,
     s: worker.Settings,
     turn: lanes.Turn | None,
-    fence: store.Fence,
-    msgs: list[message_.Message],
-    dead: list[store.DeadLetter],
-) -> tuple[store.BatchResult, float]:
-    """The transaction itself, under its INTERNAL span; its result and how long it took."""
+    parts: Sequence[Part],
+) -> tuple[list[store.BatchResult], float]:
+    """The transaction itself, under its INTERNAL span; its results and how long it took."""
     schema = s.store.schema
-    attributes = {
-        "dedup.namespace": s.namespace,
-        "dedup.token": fence.token,
-        "dedup.serial": turn is not None,
-    }
+    attributes: dict[str, Any] = {"dedup.namespace": s.namespace, "dedup.serial": turn is not None}
+    if len(parts) == 1:
+        attributes["dedup.token"] = parts[0].fence.token
     with telemetry.internal_span("dedup transaction", attributes):
         started = time.perf_counter()
         tx = conn.transaction()
@@ -92,7 +111,8 @@ async def _transaction(
             await tx.start()
         try:
             try:
-                result = await _apply(lane, conn, s, turn, fence, msgs, dead)
+                shared = len(parts) > 1
+                results = [await _apply(lane, conn, s, turn, p, shared) for p in parts]
             except BaseException:
                 # As asyncpg's `async with conn.transaction()` does: roll back, and a
                 # failed rollback raises in place of the batch's error (chained to it).
@@ -106,10 +126,11 @@ async def _transaction(
             if turn is not None:
                 turn.end()  # the transaction ended, the group's turn with it
         elapsed = time.perf_counter() - started
-        await faults.point(
-            faults.Point.AFTER_COMMIT, fence=fence, msgs=msgs, dead=dead, result=result
-        )
-    return result, elapsed
+        for p, result in zip(parts, results, strict=True):
+            await faults.point(
+                faults.Point.AFTER_COMMIT, fence=p.fence, msgs=p.msgs, dead=p.dead, result=result
+            )
+    return results, elapsed
 
 
 async def _apply(
@@ -117,27 +138,65 @@ async def _apply(
     conn: Any,
     s: worker.Settings,
     turn: lanes.Turn | None,
-    fence: store.Fence,
-    msgs: list[message_.Message],
-    dead: list[store.DeadLetter],
+    part: Part,
+    shared: bool,
 ) -> store.BatchResult:
-    """The batch's statements between BEGIN and COMMIT."""
+    """One partition's statements between BEGIN and COMMIT (``shared``: with others')."""
     result = await s.store.apply(
         conn,
-        msgs,
+        part.msgs,
         handler=s.handler,
         batch_handler=s.batch_handler,
-        fence=fence,
-        dead=dead,
-        handler_timeout=s.handler_timeout,
+        fence=part.fence,
+        dead=part.dead,
+        handler_timeout=min(s.handler_timeout, SHARED_HANDLER_TIMEOUT)
+        if shared
+        else s.handler_timeout,
         idle_timeout=s.idle_timeout,
         lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
         turn=turn,
     )
     await faults.point(
-        faults.Point.BEFORE_COMMIT, conn=conn, fence=fence, msgs=msgs, dead=dead, result=result
+        faults.Point.BEFORE_COMMIT,
+        conn=conn,
+        fence=part.fence,
+        msgs=part.msgs,
+        dead=part.dead,
+        result=result,
     )
     return result
+
+
+async def together(
+    lane: lanes.Lane,
+    settings: worker.Settings,
+    crew: Sequence[tuple[worker.PartitionWorker, list[message_.Message], list[store.DeadLetter]]],
+    riders: list[lanes.Rider],
+    stats: MutableMapping[str, int],
+) -> Exception | None:
+    """Apply a gathering worker's batch and its riders' (``crew``) in one transaction.
+
+    When it committed, each worker's offset moves on and the riders are told.
+    Else it returns the error it rolled back on, and the riders are told to run
+    their batches alone, as the caller does its own, where a handler's error,
+    a stale token or a lost COMMIT answer is handled as for any batch (this try
+    is not counted as one of a message's attempts).
+    """
+    parts = [Part(owner.tp, owner.fence(), msgs, dead) for owner, msgs, dead in crew]
+    try:
+        results = await transaction(lane, settings, None, parts, stats)
+    except BaseException as exc:
+        lanes.tell(riders, False)
+        if not isinstance(exc, Exception):
+            raise
+        if db.is_retriable(exc):
+            await lane.release()
+        log.info("a transaction of %d partitions failed (%r); each runs alone", len(parts), exc)
+        return exc
+    for (owner, _, _), result in zip(crew, results, strict=True):
+        owner.expected = result.next_offset
+    lanes.tell(riders, True)
+    return None
 
 
 def _messaging(s: worker.Settings, tp: TopicPartition) -> dict[str, Any]:
@@ -150,30 +209,33 @@ def _messaging(s: worker.Settings, tp: TopicPartition) -> dict[str, Any]:
     }
 
 
-def _process_attributes(
-    s: worker.Settings,
-    tp: TopicPartition,
-    token: int,
-    msgs: list[message_.Message],
-    dead: list[store.DeadLetter],
-) -> dict[str, Any]:
+def _process_attributes(s: worker.Settings, parts: Sequence[Part]) -> dict[str, Any]:
     """The CONSUMER span's attributes (OpenTelemetry messaging conventions for Kafka).
 
     A batch of one is a single-message span (its offset, key and tombstone
-    flag); a larger one a batch span (its message count).
+    flag); a larger one a batch span (its message count).  A transaction that
+    carries several partitions' batches names them all in ``dedup.partitions``
+    (the partition id and token are each batch's own).
     """
-    count = len(msgs) + len(dead)
+    first = parts[0]
+    count = sum(len(p.msgs) + len(p.dead) for p in parts)
     attributes: dict[str, Any] = {
-        **_messaging(s, tp),
+        **_messaging(s, first.tp),
         "messaging.operation.type": "process",
         "messaging.operation.name": "process",
         "dedup.namespace": s.namespace,
-        "dedup.token": token,
     }
+    if len(parts) > 1:
+        del attributes["messaging.destination.partition.id"]
+        if any(p.tp.topic != first.tp.topic for p in parts):
+            del attributes["messaging.destination.name"]
+        attributes["dedup.partitions"] = [f"{p.tp.topic}:{p.tp.partition}" for p in parts]
+    else:
+        attributes["dedup.token"] = first.fence.token
     if count > 1:
         attributes["messaging.batch.message_count"] = count
         return attributes
-    single = (msgs or [d.msg for d in dead])[0]
+    single = (first.msgs or [d.msg for d in first.dead])[0]
     attributes["messaging.kafka.offset"] = single.offset
     if single.key is not None:
         key = telemetry.key_attribute(single.key)
@@ -261,3 +323,17 @@ def split(
         ]
         found.append((part, part_dead))
     return found
+
+
+def take_key(
+    strategy: keys.Strategy, on_missing_key: str, msg: message_.Message
+) -> store.DeadLetter | None:
+    """Set ``msg.idempotency_key``; return a dead letter when there is none to set."""
+    try:
+        msg.idempotency_key = keys.extract(strategy, msg)
+    except errors.KeyExtractionError as exc:
+        if on_missing_key == "offset":
+            msg.idempotency_key = msg.where
+            return None
+        return store.DeadLetter(msg, f"no idempotency key: {exc}")
+    return None

@@ -218,6 +218,15 @@ DATABASE_ERRORS = (
 """What talking to Postgres can raise; :func:`is_retriable` tells which are transient."""
 
 
+def session_timed_out(exc: BaseException, took: float, idle_timeout: float) -> bool:
+    """True when the server cut a session for idling in its transaction (``took`` seconds
+    after it began, with ``idle_in_transaction_session_timeout`` = ``idle_timeout``)."""
+    if isinstance(exc, asyncpg.IdleInTransactionSessionTimeoutError):
+        return True
+    lost = isinstance(exc, asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError)
+    return lost and took >= idle_timeout
+
+
 def is_retriable(exc: BaseException) -> bool:
     """True when ``exc`` is a transient failure of Postgres or the network."""
     if isinstance(exc, errors.DedupError):

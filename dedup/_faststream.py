@@ -26,6 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
+from dedup import _batch as batch
 from dedup import _config as config
 from dedup import _db as db
 from dedup import _errors as errors
@@ -33,7 +34,6 @@ from dedup import _guard as guard
 from dedup import _handler as handler_
 from dedup import _message as message_
 from dedup import _store as store
-from dedup import _worker as worker
 from dedup import _wrap as wrap_
 from dedup import keys
 
@@ -204,7 +204,7 @@ class FastStreamDedup:
         letters = []
         for record in records:
             msg = message_.Message.from_record(record)
-            worker.take_key(self.key, self._missing_key, msg)
+            batch.take_key(self.key, self._missing_key, msg)
             letters.append(
                 store.DeadLetter(
                     msg,

@@ -22,6 +22,16 @@ leaves on the hot rows, and make every update of theirs slower.  It runs that
 statement again every third of the idle timeout while it waits, so the server
 never cuts a session that only waits for its turn.
 
+Lanes also let small batches ride together.  On a live stream each fetch
+brings a few records of several partitions, and a transaction per partition
+would cost several times the transactions of a hand-written loop that
+commits each fetch at once.  A worker that gets a lane first gathers the
+small batches of other partitions (:meth:`Lanes.gather`): those waiting for
+a lane, and those that come for one in the same turn of the event loop.  Its
+transaction fences, claims and handles each partition's batch as if alone,
+then commits them all; full batches (a backlog's) leave no room and run side
+by side.
+
 So a hot-row batch costs at most one retry: run again under a turn, its
 handler meets no other turn's rows, and a transaction begun before the lanes
 turned serial gives its rows up within :data:`LOCK_WAIT` (below).
@@ -43,6 +53,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -103,6 +114,39 @@ class Turn:
             self._mine.release()
 
 
+@dataclass(eq=False)
+class Rider:
+    """A worker's batch that may ride in another lane's transaction instead of taking a lane."""
+
+    batch: Any
+    """What the gathering worker takes along (the rider's worker, messages, dead letters)."""
+    size: int
+    """Messages and dead letters in the batch."""
+    seat: asyncio.Future[bool] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    """Set when the transaction that took it ended: True committed, False run it alone."""
+    boarded: bool = False
+
+
+class Boarding:
+    """A lane's transaction that other partitions' small batches may still board."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        """Messages the transaction may still take (``batch_size`` in all)."""
+        self.riders: list[Rider] = []
+
+    def take(self, rider: Rider) -> bool:
+        """Take ``rider`` along if there is room for it."""
+        if rider.size > self.room:
+            return False
+        self.room -= rider.size
+        rider.boarded = True
+        self.riders.append(rider)
+        return True
+
+
 class Lane:
     """A connection of the consumer's, kept from one transaction to the next."""
 
@@ -149,6 +193,8 @@ class Lanes:
         self._cooldown = SERIAL_COOLDOWN
         self._changed = asyncio.Condition()
         self._turns = asyncio.Lock()
+        self._boarding: Boarding | None = None
+        self._waiting: list[Rider] = []
 
     @property
     def serial(self) -> bool:
@@ -162,16 +208,75 @@ class Lanes:
     @contextlib.asynccontextmanager
     async def lane(self) -> AsyncIterator[Lane]:
         """Borrow a lane, waiting for one to be free."""
+        async with self.lane_or_ride(None) as lane:
+            assert lane is not None  # noqa: S101 - only a rider rides
+            yield lane
+
+    @contextlib.asynccontextmanager
+    async def lane_or_ride(self, rider: Rider | None) -> AsyncIterator[Lane | None]:
+        """Borrow a lane, or let ``rider`` ride in another lane's transaction.
+
+        The rider boards a transaction being gathered (:meth:`gather`) when one
+        has room, at once or while it waits for a lane: then this yields None,
+        and the rider's ``seat`` tells how it went.
+        """
         async with self._changed:
-            await self._changed.wait_for(lambda: bool(self._free))
-            lane = self._free.pop()
-            lane.shared = self.size > 1 and not self.serial
+            if rider is None or self._boarding is None or not self._boarding.take(rider):
+                if rider is not None:
+                    self._waiting.append(rider)
+                try:
+                    await self._changed.wait_for(
+                        lambda: bool(self._free) or (rider is not None and rider.boarded)
+                    )
+                finally:
+                    if rider is not None and not rider.boarded:
+                        self._waiting.remove(rider)
+            if rider is not None and rider.boarded:
+                lane = None
+            else:
+                lane = self._free.pop()
+                lane.shared = self.size > 1 and not self.serial
+        if lane is None:
+            yield None
+            return
         try:
             yield lane
         finally:
             async with self._changed:
                 self._free.append(lane)
                 self._changed.notify()
+
+    async def gather(self, room: int) -> list[Rider]:
+        """Take other partitions' batches along in the transaction a lane is about to run.
+
+        Called with a lane in hand, for a batch that leaves ``room`` messages
+        of ``batch_size``.  The riders are the small batches of workers waiting
+        for a lane, and of those that come for one during one turn of the event
+        loop: the records of one fetch reach every partition's worker in the
+        same turn.  So a live stream costs about one transaction per fetch, as a
+        hand-written loop's does, not one per partition.  A backlog's full
+        batches leave no room and run side by side as before; nobody rides
+        while the lanes are serial (handlers take turns there).
+
+        The caller tells each rider's ``seat`` how its transaction went (:func:`tell`).
+        """
+        if room <= 0 or self.serial or self._boarding is not None:
+            return []
+        boarding = Boarding(room)
+        async with self._changed:
+            for rider in [r for r in self._waiting if boarding.take(r)]:
+                self._waiting.remove(rider)
+            if boarding.riders:
+                self._changed.notify_all()
+        self._boarding = boarding
+        try:
+            await asyncio.sleep(0)
+        except BaseException:
+            tell(boarding.riders, False)
+            raise
+        finally:
+            self._boarding = None
+        return boarding.riders
 
     def deadlocked(self) -> None:
         """Two lanes deadlocked: handlers take turns for a while (longer each time it recurs)."""
@@ -196,6 +301,13 @@ class Lanes:
         """Close every lane's connection at once (a shutdown that ran out of time)."""
         for lane in self._all:
             lane.terminate()
+
+
+def tell(riders: list[Rider], committed: bool) -> None:
+    """Tell the workers of batches that rode in a transaction how it went."""
+    for rider in riders:
+        if not rider.seat.done():  # a rider cancelled meanwhile is not waiting any more
+            rider.seat.set_result(committed)
 
 
 def _usable(conn: asyncpg.Connection) -> bool:

@@ -15,6 +15,7 @@ four reasons, told apart by the row (:func:`judge`):
                partition back from the stored offset and Kafka delivers those
                records again (:func:`resume_at`)
 ``TAKEN``      another consumer took it: stop until Kafka assigns it to us again
+               (the refusal is recorded: :func:`record_stale`)
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from dedup import _db as db
+from dedup import _errors as errors
 from dedup import _offsets as offsets
 from dedup import _store as store
+from dedup import _telemetry as telemetry
 
 if TYPE_CHECKING:
+    from dedup import _lanes as lanes
     from dedup import _worker as worker
 
 log = logging.getLogger("dedup.worker")
@@ -64,3 +69,26 @@ def resume_at(
         owner.expected,
     )
     return now or store.Position(holder, 0, owner.began)
+
+
+async def record_stale(
+    lane: lanes.Lane,
+    settings: worker.Settings,
+    exc: errors.StaleTokenError,
+    token: int,
+    expected: int | None,
+) -> None:
+    """Record that the fence refused a stale holder (``stale_rejected``), if Postgres can be
+    reached; the worker stops either way."""
+    try:
+        with telemetry.tracer.start_as_current_span(
+            "dedup stale", attributes={"messaging.consumer.group.name": settings.group_id}
+        ):
+            conn = await lane.connection()
+            await settings.store.stale_rejected(
+                conn, exc.resource, holder=settings.holder, token=token, expected=expected
+            )
+    except Exception as record_exc:
+        if not db.is_retriable(record_exc):
+            raise
+        log.warning("could not record stale_rejected for %s: %r", exc.resource, record_exc)

@@ -5,6 +5,8 @@ to that partition's :class:`PartitionWorker`, which applies them batch after
 batch on a lane (:mod:`dedup.lanes`).  Workers run side by side, so a slow or
 hung handler holds up only its own partition: its worker stops taking records,
 the consumer pauses the partition in the fetcher, and the others keep flowing.
+Small batches of several partitions ride in one transaction (a live stream's:
+:meth:`dedup._lanes.Lanes.gather`); if it fails, each runs alone as below.
 
 Failure handling, in order of preference:
 
@@ -220,7 +222,7 @@ class PartitionWorker:
             if record.offset < floor:
                 continue
             msg = message_.Message.from_record(record)
-            letter = take_key(self._s.key, self._s.on_missing_key, msg)
+            letter = batch.take_key(self._s.key, self._s.on_missing_key, msg)
             if letter is None:
                 keyed.append(msg)
             else:
@@ -237,6 +239,9 @@ class PartitionWorker:
 
     async def _apply_retrying(self, msgs: Msgs, dead: Dead) -> bool:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
+        # Small batches ride together (Lanes.gather); one whose shared transaction
+        # failed runs alone from then on.
+        rider: lanes.Rider | None = lanes.Rider((self, msgs, dead), len(msgs) + len(dead))
         delay = 0.1
         shared = False
         while True:
@@ -248,8 +253,21 @@ class PartitionWorker:
                 if not msgs and not dead:
                     return True
             try:
-                async with self._lanes.lane() as lane:
+                async with self._lanes.lane_or_ride(rider) as lane:
+                    if lane is None:
+                        assert rider is not None  # noqa: S101 - only a rider rides
+                        if await rider.seat:
+                            return True  # committed in the transaction it rode in
+                        rider = None
+                        continue
                     shared = lane.shared
+                    if rider is not None:
+                        rider = None
+                        riders = await self._lanes.gather(
+                            self._s.batch_size - len(msgs) - len(dead)
+                        )
+                        if riders and await self._apply_together(lane, msgs, dead, riders):
+                            return True
                     try:
                         await self._apply_isolating(lane, msgs, dead)
                     except errors.StaleTokenError as exc:
@@ -270,22 +288,36 @@ class PartitionWorker:
                 if lanes.contended(exc, shared):
                     # Run it again at once: the lanes are serial now, so its handler
                     # waits for its turn and meets no other turn's rows (one retry).
-                    deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
-                    self._stats["deadlocks" if deadlock else "lock_waits"] += 1
-                    metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
-                    metric.add(1, self._counted)
-                    self._lanes.deadlocked()
-                    log.info(
-                        "batch of %s %s; retrying it under a turn",
-                        self.tp,
-                        "deadlocked with another lane" if deadlock else "waited too long on a lock",
-                    )
+                    self._contended(exc)
                     continue
                 telemetry.transition("retried", {"error": handler_.describe(exc)})
                 log.warning("batch of %s failed (%r); retrying in %.1fs", self.tp, exc, delay)
                 if not await self._sleep(delay):
                     return False  # closing: the batch rolled back and will be redelivered
                 delay = min(delay * 2, MAX_BACKOFF)
+
+    async def _apply_together(
+        self, lane: lanes.Lane, msgs: Msgs, dead: Dead, riders: list[lanes.Rider]
+    ) -> bool:
+        """Apply this batch and the riders' in one transaction; False: each runs alone."""
+        crew = [(self, msgs, dead), *(rider.batch for rider in riders)]
+        failure = await batch.together(lane, self._s, crew, riders, self._stats)
+        if failure is not None and lanes.contended(failure, lane.shared):
+            self._contended(failure)
+        return failure is None
+
+    def _contended(self, exc: Exception) -> None:
+        """The batch ran into another lane's row locks: count it, and the lanes turn serial."""
+        deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
+        self._stats["deadlocks" if deadlock else "lock_waits"] += 1
+        metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
+        metric.add(1, self._counted)
+        self._lanes.deadlocked()
+        log.info(
+            "batch of %s %s; retrying it under a turn",
+            self.tp,
+            "deadlocked with another lane" if deadlock else "waited too long on a lock",
+        )
 
     async def _refused(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> bool:
         """The fence refused a write: True if the partition is still ours from ``self.expected``
@@ -310,7 +342,7 @@ class PartitionWorker:
         """Store ``to`` as the offset under the fence; False when the partition is not ours."""
         if self.expected is not None and to <= self.expected:
             return True
-        fence = store.Fence(self._s.group_id, self.token, self.expected)
+        fence = self.fence()
         async with self._lanes.lane() as lane:
             try:
                 try:
@@ -373,7 +405,7 @@ class PartitionWorker:
             if not msgs:
                 raise
             if db.is_retriable(exc):
-                if not self._session_timed_out(exc, started):
+                if not db.session_timed_out(exc, time.monotonic() - started, self._s.idle_timeout):
                     raise
                 await lane.release()
                 return errors.HandlerError(
@@ -384,18 +416,16 @@ class PartitionWorker:
             return exc
         return None
 
-    def _session_timed_out(self, exc: Exception, started: float) -> bool:
-        """True when the server cut the session for idling in a transaction: the handler's fault."""
-        if isinstance(exc, asyncpg.IdleInTransactionSessionTimeoutError):
-            return True
-        lost = isinstance(exc, asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError)
-        return lost and time.monotonic() - started >= self._s.idle_timeout
+    def fence(self) -> store.Fence:
+        """The fence of this partition's next batch: its token, and its offset as last stored."""
+        return store.Fence(self._s.group_id, self.token, self.expected)
 
     async def _transaction(self, lane: lanes.Lane, msgs: Msgs, dead: Dead) -> None:
-        fence = store.Fence(self._s.group_id, self.token, self.expected)
+        fence = self.fence()
         turn = self._lanes.turn(self._s.group_id)  # after a deadlock, handlers take turns
         stats = self._stats
-        result = await batch.transaction(lane, self._s, turn, self.tp, fence, msgs, dead, stats)
+        part = batch.Part(self.tp, fence, msgs, dead)
+        [result] = await batch.transaction(lane, self._s, turn, [part], stats)
         self.expected = result.next_offset
 
     async def _lose(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> None:
@@ -404,22 +434,7 @@ class PartitionWorker:
         self._stats["stale"] += 1
         telemetry.stale_rejections.add(1, self._counted)
         log.warning("consumer %s: %s", self._s.holder, exc)
-        try:
-            with telemetry.tracer.start_as_current_span(
-                "dedup stale", attributes={"messaging.consumer.group.name": self._s.group_id}
-            ):
-                conn = await lane.connection()
-                await self._s.store.stale_rejected(
-                    conn,
-                    exc.resource,
-                    holder=self._s.holder,
-                    token=self.token,
-                    expected=self.expected,
-                )
-        except Exception as record_exc:
-            if not db.is_retriable(record_exc):
-                raise
-            log.warning("could not record stale_rejected for %s: %r", self.tp, record_exc)
+        await refusal.record_stale(lane, self._s, exc, self.token, self.expected)
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep unless the worker is closing; True if the full time passed."""
@@ -428,17 +443,3 @@ class PartitionWorker:
         except TimeoutError:
             return True
         return False
-
-
-def take_key(
-    strategy: keys.Strategy, on_missing_key: str, msg: message_.Message
-) -> store.DeadLetter | None:
-    """Set ``msg.idempotency_key``; return a dead letter when there is none to set."""
-    try:
-        msg.idempotency_key = keys.extract(strategy, msg)
-    except errors.KeyExtractionError as exc:
-        if on_missing_key == "offset":
-            msg.idempotency_key = msg.where
-            return None
-        return store.DeadLetter(msg, f"no idempotency key: {exc}")
-    return None

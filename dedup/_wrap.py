@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from dedup import _batch as batch
 from dedup import _config as config
 from dedup import _drivers as drivers
 from dedup import _message as message_
 from dedup import _store as store
-from dedup import _worker as worker
 from dedup import keys
 
 
@@ -41,7 +41,7 @@ def wrap(
 
     async def handle(record: Any) -> message_.Outcome:
         msg = message_.Message.from_record(record)
-        letter = worker.take_key(key, missing_key, msg)
+        letter = batch.take_key(key, missing_key, msg)
         async with pool.acquire() as conn, conn.transaction():
             result = await writes.apply(
                 conn,
@@ -94,7 +94,7 @@ async def claim(
         msg = (
             record if isinstance(record, message_.Message) else message_.Message.from_record(record)
         )
-        letter = worker.take_key(key, missing_key, msg)
+        letter = batch.take_key(key, missing_key, msg)
         if letter is None:
             msgs.append(msg)
         else:

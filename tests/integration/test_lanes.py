@@ -5,16 +5,24 @@ serial lanes the handlers take turns while the next batch's claim runs alongside
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import asyncpg
+import orjson
 import pytest
 
 import dedup
 from dedup import _lanes as lanes
 from dedup import _store as store
+from dedup_dev import effects as support
 from tests import helpers
+from tests.conftest import Topics
+
+
+def item(i: int, **extra: Any) -> bytes:
+    return orjson.dumps({"id": f"m{i}", **extra})
 
 
 def one_message(key: str = "k", partition: int = 0) -> dedup.Message:
@@ -182,3 +190,76 @@ async def _batch(
             )
     finally:
         turn.end()
+
+
+async def test_small_batches_of_several_partitions_ride_in_one_transaction(
+    bootstrap_servers: str, topics: Topics, pool: Any
+) -> None:
+    """What a live stream brings (a few records per partition per fetch) commits in one
+    transaction, as a hand-written loop's fetch does; each handler call still gets one
+    partition's messages, in offset order, under that partition's token."""
+    topic = await topics.create(partitions=4)
+    await pool.execute(
+        'CREATE TABLE seen ("partition" int, "offset" bigint, token bigint, call int, tx xid8)'
+    )
+    calls: list[list[tuple[int, int]]] = []
+
+    async def handler(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
+        calls.append([(m.partition, m.offset) for m in msgs])
+        await tx.conn.execute(
+            "INSERT INTO seen SELECT p, o, $3, $4, pg_current_xact_id()"
+            " FROM unnest($1::int[], $2::bigint[]) AS x(p, o)",
+            [m.partition for m in msgs],
+            [m.offset for m in msgs],
+            tx.token,
+            len(calls),
+        )
+
+    for p in range(4):
+        await helpers.produce(
+            bootstrap_servers, topic, [(None, item(10 * p + i)) for i in range(3)], partition=p
+        )
+    consumer = support.consumer(handler, topic, bootstrap_servers, pool)
+    async with support.running(consumer):
+        await helpers.wait_for(lambda: support.handled(consumer, 12), what="all 12 records")
+    assert all(len({p for p, _ in call}) == 1 for call in calls), calls
+    assert all([o for _, o in call] == sorted(o for _, o in call) for call in calls), calls
+    # Each partition's rows carry its own token, as its fence has it.
+    mismatched = await pool.fetchval(
+        "SELECT count(*) FROM seen s JOIN dedup.partitions p"
+        ' ON p.topic = $1 AND p."partition" = s."partition" WHERE p.token <> s.token',
+        topic,
+    )
+    assert mismatched == 0
+    widest = await pool.fetchval(
+        'SELECT max(n) FROM (SELECT count(DISTINCT "partition") AS n FROM seen GROUP BY tx) t'
+    )
+    assert widest >= 2, "small batches of several partitions shared a transaction"
+    assert await pool.fetchval("SELECT count(*) FROM seen") == 12
+    stored = await pool.fetch(
+        'SELECT "partition", next_offset FROM dedup.partitions WHERE topic = $1', topic
+    )
+    assert {r["partition"]: r["next_offset"] for r in stored} == {p: 3 for p in range(4)}
+
+
+async def test_a_handler_failing_in_a_shared_transaction_costs_the_other_partitions_nothing(
+    bootstrap_servers: str, topics: Topics, pool: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shared transaction rolls back and every batch runs alone: the others commit,
+    the culprit is dead-lettered after its attempts, the rest of its partition applied."""
+    topic = await topics.create(partitions=4)
+    await pool.execute(support.EFFECTS)
+    for p in range(4):
+        records = [(None, item(10 * p + i, explode=(p == 0 and i == 1))) for i in range(3)]
+        await helpers.produce(bootstrap_servers, topic, records, partition=p)
+    consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
+    with caplog.at_level(logging.INFO, logger="dedup.worker"):
+        async with support.running(consumer):
+            await helpers.wait_for(lambda: support.handled(consumer, 12), what="all 12 records")
+    shared = "partitions failed (RuntimeError('handler bug in batch')); each runs alone"
+    assert shared in caplog.text
+    assert await support.effect_counts(pool) == (11, 11)
+    letters = await pool.fetch("SELECT idempotency_key, attempts FROM dedup.dead_letters")
+    assert [(r["idempotency_key"], r["attempts"]) for r in letters] == [("m1", 3)]
+    assert consumer.stats["processed"] == 11
+    assert consumer.stats["dead_lettered"] == 1

@@ -96,3 +96,54 @@ def test_the_cool_down_doubles_only_for_a_new_tangle(monkeypatch: pytest.MonkeyP
     now[0] += 10 * lanes.MAX_SERIAL_COOLDOWN
     ls.deadlocked()
     assert serial_for() == pytest.approx(cool, abs=1)
+
+
+async def test_a_lane_gathers_small_batches_that_wait_or_come_in_the_same_turn() -> None:
+    ls = lanes.Lanes(types.SimpleNamespace(), 2)
+    async with ls.lane() as first, ls.lane():
+        assert first is not None
+        # Both lanes are lent: this batch of 3 waits for one, and may ride instead.
+        waiting = lanes.Rider("waiting", 3)
+        waited = asyncio.create_task(_ride(ls, waiting))
+        await asyncio.sleep(0)
+        too_big = lanes.Rider("too big", 8)
+        too_big_waits = asyncio.create_task(_ride(ls, too_big))
+        await asyncio.sleep(0)
+        # A batch of 5 of batch_size 10 leaves room for 5: the waiting 3, and a 2 whose
+        # worker woke in the same turn (fed by the same fetch); not the 8.
+        coming = lanes.Rider("coming", 2)
+        came = asyncio.create_task(_ride(ls, coming))
+        riders = await ls.gather(5)
+        assert [r.batch for r in riders] == ["waiting", "coming"]
+        assert not too_big.boarded
+        lanes.tell(riders, True)
+        assert await asyncio.wait_for(waited, 1) == "rode: True"
+        assert await asyncio.wait_for(came, 1) == "rode: True"
+    # The 8 never boarded: it got a lane once one was free.
+    assert await asyncio.wait_for(too_big_waits, 1) == "lane"
+    assert await ls.gather(0) == []  # no room: a full batch gathers nobody
+
+
+async def test_nobody_rides_on_serial_lanes_and_a_cut_gathering_lets_its_riders_go() -> None:
+    ls = lanes.Lanes(types.SimpleNamespace(), 1)
+    async with ls.lane():
+        rider = lanes.Rider("r", 1)
+        rides = asyncio.create_task(_ride(ls, rider))
+        await asyncio.sleep(0)
+        gathering = asyncio.create_task(ls.gather(10))
+        await asyncio.sleep(0)  # it took the waiting rider and yields its turn
+        gathering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gathering
+        # Its batch runs alone: told False, it never waits for a seat again.
+        assert await asyncio.wait_for(rides, 1) == "rode: False"
+    ls.deadlocked()
+    async with ls.lane():
+        assert await ls.gather(10) == []  # handlers take turns: no riders
+
+
+async def _ride(ls: lanes.Lanes, rider: lanes.Rider) -> str:
+    async with ls.lane_or_ride(rider) as lane:
+        if lane is None:
+            return f"rode: {await rider.seat}"
+        return "lane"
