@@ -37,6 +37,14 @@ SHARED_HANDLER_TIMEOUT = 1.0
 It holds them all up, so past this it is cut and every batch runs alone, each
 handler with the full ``handler_timeout``: a hung handler holds up only its own
 partition."""
+SHARED_LOCK_WAIT = 0.05
+"""Seconds a transaction shared by several partitions' batches waits for a row lock.
+
+Its handler calls each write in their own order, so two transactions can
+take the same rows in different orders even where every handler sorts its
+writes.  It gives way early, before any other transaction waits long enough
+to count as contention (:data:`dedup._lanes.LOCK_WAIT`), and every batch runs
+alone."""
 
 
 @dataclass
@@ -153,7 +161,7 @@ async def _apply(
         if shared
         else s.handler_timeout,
         idle_timeout=s.idle_timeout,
-        lock_timeout=lanes.LOCK_WAIT if lane.shared else None,
+        lock_timeout=(SHARED_LOCK_WAIT if shared else lanes.LOCK_WAIT) if lane.shared else None,
         turn=turn,
     )
     await faults.point(
@@ -173,14 +181,15 @@ async def together(
     crew: Sequence[tuple[worker.PartitionWorker, list[message_.Message], list[store.DeadLetter]]],
     riders: list[lanes.Rider],
     stats: MutableMapping[str, int],
-) -> Exception | None:
+) -> bool:
     """Apply a gathering worker's batch and its riders' (``crew``) in one transaction.
 
-    When it committed, each worker's offset moves on and the riders are told.
-    Else it returns the error it rolled back on, and the riders are told to run
-    their batches alone, as the caller does its own, where a handler's error,
-    a stale token or a lost COMMIT answer is handled as for any batch (this try
-    is not counted as one of a message's attempts).
+    True when it committed: each worker's offset moves on, and the riders are
+    told.  Else it rolled back, counted as a retry, and the riders are told to
+    run their batches alone, as the caller does its own, where a handler's
+    error, a stale token or a lost COMMIT answer is handled as for any batch
+    (this try is not one of a message's attempts).  A lock wait here is not a
+    sign of hot rows (:data:`SHARED_LOCK_WAIT`): the lanes stay as they are.
     """
     parts = [Part(owner.tp, owner.fence(), msgs, dead) for owner, msgs, dead in crew]
     try:
@@ -192,11 +201,13 @@ async def together(
         if db.is_retriable(exc):
             await lane.release()
         log.info("a transaction of %d partitions failed (%r); each runs alone", len(parts), exc)
-        return exc
+        stats["retries"] += 1
+        telemetry.retries.add(1, counted(settings, parts[0].tp.topic))
+        return False
     for (owner, _, _), result in zip(crew, results, strict=True):
         owner.expected = result.next_offset
     lanes.tell(riders, True)
-    return None
+    return True
 
 
 def _messaging(s: worker.Settings, tp: TopicPartition) -> dict[str, Any]:

@@ -192,8 +192,9 @@ class IdempotentConsumer:
         included under the default policy), ``stale`` (batches refused by the
         fence), ``retries``, ``deadlocks`` (batches that deadlocked with another
         partition's and ran again under a turn), ``lock_waits`` (batches that ran
-        again under a turn after waiting past ``lanes.LOCK_WAIT`` for a row lock while other
-        partitions' transactions ran), ``batches`` (transactions committed).
+        again after waiting past ``lanes.LOCK_WAIT`` for a row lock while other partitions'
+        transactions ran; the second such incident within 10 s makes handlers take turns),
+        ``batches`` (transactions committed).
         """
         return types.MappingProxyType(self._stats)
 

@@ -32,18 +32,26 @@ transaction fences, claims and handles each partition's batch as if alone,
 then commits them all; full batches (a backlog's) leave no room and run side
 by side.
 
-So a hot-row batch costs at most one retry: run again under a turn, its
-handler meets no other turn's rows, and a transaction begun before the lanes
-turned serial gives its rows up within :data:`LOCK_WAIT` (below).
+So once the lanes are serial a hot-row batch costs at most one retry: run
+again under a turn, its handler meets no other turn's rows, and a
+transaction begun before the lanes turned serial gives its rows up within
+:data:`LOCK_WAIT` (below).
 
 Postgres looks for a deadlock only after a lock wait of ``deadlock_timeout``
 (1 s by default, settable by superusers only), once per waiting transaction:
 four lanes tangled on hot rows untangle one second at a time.  So a
 transaction on a shared lane waits at most :data:`LOCK_WAIT` for a row lock
 (``lock_timeout``, set for that transaction only by the batch's first
-statement); past it the batch is handled as if it had deadlocked (see
-:func:`contended`).  A lane lent while the lanes are serial, or the only one,
-waits as long as the session's own ``lock_timeout`` says.
+statement); past it the batch runs again, like one that deadlocked (see
+:func:`contended`).  A deadlock turns the lanes serial at once, and so does
+a batch that waits again when it runs again; other lock waits do at their
+second *incident* within :data:`LOCK_WAITS_WINDOW`.  One slow
+COMMIT (a checkpoint's flush, a paused process) makes every lane queued
+behind its rows wait past :data:`LOCK_WAIT` at about the same moment: that
+is one incident, a hiccup, and turning serial for a cool-down would cost a
+live stream far more than the hiccup did.  Handlers tangled on hot rows
+meet again within a second.  A lane lent while the lanes are serial, or the
+only one, waits as long as the session's own ``lock_timeout`` says.
 """
 
 from __future__ import annotations
@@ -64,7 +72,11 @@ SERIAL_COOLDOWN = 30.0
 """Seconds the lanes stay serial after a deadlock (doubling, up to MAX_SERIAL_COOLDOWN)."""
 MAX_SERIAL_COOLDOWN = 600.0
 LOCK_WAIT = 0.2
-"""Seconds a transaction on a shared lane waits for a row lock before it counts as deadlocked."""
+"""Seconds a transaction on a shared lane waits for a row lock before it runs again."""
+LOCK_WAIT_INCIDENT = 2 * LOCK_WAIT
+"""Lock waits within this many seconds of an incident's first are the same incident."""
+LOCK_WAITS_WINDOW = 10.0
+"""A second incident of lock waits this soon after the first turns the lanes serial."""
 
 
 def contended(exc: BaseException, shared: bool) -> bool:
@@ -191,6 +203,7 @@ class Lanes:
         self._all = list(self._free)
         self._serial_until = 0.0
         self._cooldown = SERIAL_COOLDOWN
+        self._incident = -LOCK_WAITS_WINDOW  # when the last incident of lock waits began
         self._changed = asyncio.Condition()
         self._turns = asyncio.Lock()
         self._boarding: Boarding | None = None
@@ -277,6 +290,18 @@ class Lanes:
         finally:
             self._boarding = None
         return boarding.riders
+
+    def waited(self) -> None:
+        """A batch on a shared lane waited past LOCK_WAIT: serial at the second incident."""
+        now = time.monotonic()
+        since = now - self._incident
+        if since <= LOCK_WAIT_INCIDENT:
+            return  # other lanes queued behind the same rows
+        if since <= LOCK_WAITS_WINDOW:
+            self.deadlocked()
+        else:
+            log.info("a lock wait past %.1fs; the batch runs again beside the others", LOCK_WAIT)
+        self._incident = now
 
     def deadlocked(self) -> None:
         """Two lanes deadlocked: handlers take turns for a while (longer each time it recurs)."""

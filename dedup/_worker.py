@@ -243,7 +243,7 @@ class PartitionWorker:
         # failed runs alone from then on.
         rider: lanes.Rider | None = lanes.Rider((self, msgs, dead), len(msgs) + len(dead))
         delay = 0.1
-        shared = False
+        shared = waited = False
         while True:
             if self.expected is not None:
                 # Tried again after part of the batch committed (a split that went
@@ -286,9 +286,9 @@ class PartitionWorker:
                 self._stats["retries"] += 1
                 telemetry.retries.add(1, self._counted)
                 if lanes.contended(exc, shared):
-                    # Run it again at once: the lanes are serial now, so its handler
-                    # waits for its turn and meets no other turn's rows (one retry).
-                    self._contended(exc)
+                    # Run it again at once: once the lanes are serial its handler waits
+                    # for its turn and meets no other turn's rows (one retry).
+                    waited = self._contended(exc, again=waited)
                     continue
                 telemetry.transition("retried", {"error": handler_.describe(exc)})
                 log.warning("batch of %s failed (%r); retrying in %.1fs", self.tp, exc, delay)
@@ -301,23 +301,26 @@ class PartitionWorker:
     ) -> bool:
         """Apply this batch and the riders' in one transaction; False: each runs alone."""
         crew = [(self, msgs, dead), *(rider.batch for rider in riders)]
-        failure = await batch.together(lane, self._s, crew, riders, self._stats)
-        if failure is not None and lanes.contended(failure, lane.shared):
-            self._contended(failure)
-        return failure is None
+        return await batch.together(lane, self._s, crew, riders, self._stats)
 
-    def _contended(self, exc: Exception) -> None:
-        """The batch ran into another lane's row locks: count it, and the lanes turn serial."""
+    def _contended(self, exc: Exception, again: bool = False) -> bool:
+        """The batch ran into another lane's row locks: count it; the lanes may turn serial
+        (at once for a deadlock or a batch that waits ``again``).  True: it was a lock wait."""
         deadlock = isinstance(exc, asyncpg.DeadlockDetectedError)
         self._stats["deadlocks" if deadlock else "lock_waits"] += 1
         metric = telemetry.deadlocks if deadlock else telemetry.lock_waits
         metric.add(1, self._counted)
-        self._lanes.deadlocked()
+        if deadlock or again:
+            self._lanes.deadlocked()
+        else:
+            self._lanes.waited()
         log.info(
-            "batch of %s %s; retrying it under a turn",
+            "batch of %s %s; retrying it%s",
             self.tp,
             "deadlocked with another lane" if deadlock else "waited too long on a lock",
+            " under a turn" if self._lanes.serial else "",
         )
+        return not deadlock
 
     async def _refused(self, lane: lanes.Lane, exc: errors.StaleTokenError) -> bool:
         """The fence refused a write: True if the partition is still ours from ``self.expected``

@@ -147,3 +147,26 @@ async def _ride(ls: lanes.Lanes, rider: lanes.Rider) -> str:
         if lane is None:
             return f"rode: {await rider.seat}"
         return "lane"
+
+
+def test_lock_waits_turn_the_lanes_serial_at_their_second_incident(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(lanes, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    ls = lanes.Lanes(types.SimpleNamespace(), 4)
+    ls.waited()  # one slow COMMIT: every lane queued behind its rows waits at once
+    now[0] += 0.1
+    ls.waited()
+    ls.waited()
+    assert not ls.serial, "one incident is a hiccup: the batches run again side by side"
+    now[0] += lanes.LOCK_WAITS_WINDOW + 1
+    ls.waited()  # long after: a new first incident
+    assert not ls.serial
+    now[0] += 1.0
+    ls.waited()  # tangled handlers meet again within a second
+    assert ls.serial
+    # A deadlock needs no second time.
+    other = lanes.Lanes(types.SimpleNamespace(), 4)
+    other.deadlocked()
+    assert other.serial
