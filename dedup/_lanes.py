@@ -29,8 +29,8 @@ commits each fetch at once.  A worker that gets a lane first gathers the
 small batches of other partitions (:meth:`Lanes.gather`): those waiting for
 a lane, and those that come for one in the same turn of the event loop.  Its
 transaction fences, claims and handles each partition's batch as if alone,
-then commits them all; full batches (a backlog's) leave no room and run side
-by side.
+then commits them all.  Only small batches ride (:data:`RIDER_SHARE`): a
+backlog's run side by side, each on its own lane.
 
 So once the lanes are serial a hot-row batch costs at most one retry: run
 again under a turn, its handler meets no other turn's rows, and a
@@ -73,6 +73,9 @@ SERIAL_COOLDOWN = 30.0
 MAX_SERIAL_COOLDOWN = 600.0
 LOCK_WAIT = 0.2
 """Seconds a transaction on a shared lane waits for a row lock before it runs again."""
+RIDER_SHARE = 10
+"""Only batches of at most 1/RIDER_SHARE of ``batch_size`` ride (or gather): a backlog's
+batches are larger, and run faster side by side on their own lanes."""
 LOCK_WAIT_INCIDENT = 2 * LOCK_WAIT
 """Lock waits within this many seconds of an incident's first are the same incident."""
 LOCK_WAITS_WINDOW = 10.0
@@ -267,8 +270,8 @@ class Lanes:
         for a lane, and of those that come for one during one turn of the event
         loop: the records of one fetch reach every partition's worker in the
         same turn.  So a live stream costs about one transaction per fetch, as a
-        hand-written loop's does, not one per partition.  A backlog's full
-        batches leave no room and run side by side as before; nobody rides
+        hand-written loop's does, not one per partition.  Only small batches
+        gather or ride (:data:`RIDER_SHARE`, the worker's choice); nobody rides
         while the lanes are serial (handlers take turns there).
 
         The caller tells each rider's ``seat`` how its transaction went (:func:`tell`).

@@ -241,7 +241,9 @@ class PartitionWorker:
         """Apply one batch, retrying transient failures; False when the partition is gone."""
         # Small batches ride together (Lanes.gather); one whose shared transaction
         # failed runs alone from then on.
-        rider: lanes.Rider | None = lanes.Rider((self, msgs, dead), len(msgs) + len(dead))
+        size = len(msgs) + len(dead)
+        small = size * lanes.RIDER_SHARE <= self._s.batch_size
+        rider = lanes.Rider((self, msgs, dead), size) if small else None
         delay = 0.1
         shared = waited = False
         while True:
