@@ -37,7 +37,7 @@ SHARED_HANDLER_TIMEOUT = 1.0
 It holds them all up, so past this it is cut and every batch runs alone, each
 handler with the full ``handler_timeout``: a hung handler holds up only its own
 partition."""
-SHARED_LOCK_WAIT = 0.05
+SHARED_LOCK_WAIT = 0.01
 """Seconds a transaction shared by several partitions' batches waits for a row lock.
 
 Its handler calls each write in their own order, so two transactions can
