@@ -31,12 +31,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dedup.worker")
 
-SHARED_HANDLER_TIMEOUT = 1.0
-"""Seconds a handler may take in a transaction shared with other partitions' batches.
+SHARED_HANDLER_TIMEOUT = 0.25
+"""Seconds the handlers of a transaction shared by several partitions' batches may take
+in all.
 
-It holds them all up, so past this it is cut and every batch runs alone, each
-handler with the full ``handler_timeout``: a hung handler holds up only its own
-partition."""
+Riders are for a live stream's quick work: their handlers run one after
+another, where lanes would run them side by side, and a hung one holds up
+every partition in the transaction.  Past this the transaction is cut, every
+batch runs alone (each handler with the full ``handler_timeout``), and nobody
+rides for a while (:meth:`dedup._lanes.Lanes.riders_too_slow`)."""
 SHARED_LOCK_WAIT = 0.01
 """Seconds a transaction shared by several partitions' batches waits for a row lock.
 
@@ -119,8 +122,8 @@ async def _transaction(
             await tx.start()
         try:
             try:
-                shared = len(parts) > 1
-                results = [await _apply(lane, conn, s, turn, p, shared) for p in parts]
+                cut_at = time.monotonic() + SHARED_HANDLER_TIMEOUT if len(parts) > 1 else None
+                results = [await _apply(lane, conn, s, turn, p, cut_at) for p in parts]
             except BaseException:
                 # As asyncpg's `async with conn.transaction()` does: roll back, and a
                 # failed rollback raises in place of the batch's error (chained to it).
@@ -147,9 +150,13 @@ async def _apply(
     s: worker.Settings,
     turn: lanes.Turn | None,
     part: Part,
-    shared: bool,
+    cut_at: float | None,
 ) -> store.BatchResult:
-    """One partition's statements between BEGIN and COMMIT (``shared``: with others')."""
+    """One partition's statements between BEGIN and COMMIT (``cut_at``: the monotonic time
+    a shared transaction's handlers must be done by)."""
+    timeout = s.handler_timeout
+    if cut_at is not None:
+        timeout = min(timeout, max(cut_at - time.monotonic(), 0.001))
     result = await s.store.apply(
         conn,
         part.msgs,
@@ -157,11 +164,9 @@ async def _apply(
         batch_handler=s.batch_handler,
         fence=part.fence,
         dead=part.dead,
-        handler_timeout=min(s.handler_timeout, SHARED_HANDLER_TIMEOUT)
-        if shared
-        else s.handler_timeout,
+        handler_timeout=timeout,
         idle_timeout=s.idle_timeout,
-        lock_timeout=(SHARED_LOCK_WAIT if shared else lanes.LOCK_WAIT) if lane.shared else None,
+        lock_timeout=(SHARED_LOCK_WAIT if cut_at else lanes.LOCK_WAIT) if lane.shared else None,
         turn=turn,
     )
     await faults.point(
@@ -176,6 +181,7 @@ async def _apply(
 
 
 async def together(
+    all_lanes: lanes.Lanes,
     lane: lanes.Lane,
     settings: worker.Settings,
     crew: Sequence[tuple[worker.PartitionWorker, list[message_.Message], list[store.DeadLetter]]],
@@ -192,12 +198,15 @@ async def together(
     sign of hot rows (:data:`SHARED_LOCK_WAIT`): the lanes stay as they are.
     """
     parts = [Part(owner.tp, owner.fence(), msgs, dead) for owner, msgs, dead in crew]
+    started = time.monotonic()
     try:
         results = await transaction(lane, settings, None, parts, stats)
     except BaseException as exc:
         lanes.tell(riders, False)
         if not isinstance(exc, Exception):
             raise
+        if time.monotonic() - started >= SHARED_HANDLER_TIMEOUT:
+            all_lanes.riders_too_slow()
         if db.is_retriable(exc):
             await lane.release()
         log.info("a transaction of %d partitions failed (%r); each runs alone", len(parts), exc)

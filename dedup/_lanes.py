@@ -76,6 +76,8 @@ LOCK_WAIT = 0.2
 RIDER_SHARE = 10
 """Only batches of at most 1/RIDER_SHARE of ``batch_size`` ride (or gather): a backlog's
 batches are larger, and run faster side by side on their own lanes."""
+RIDERS_PAUSE = 30.0
+"""Seconds nobody rides after a shared transaction's handlers ran too long."""
 LOCK_WAIT_INCIDENT = 2 * LOCK_WAIT
 """Lock waits within this many seconds of an incident's first are the same incident."""
 LOCK_WAITS_WINDOW = 10.0
@@ -207,6 +209,7 @@ class Lanes:
         self._serial_until = 0.0
         self._cooldown = SERIAL_COOLDOWN
         self._incident = -LOCK_WAITS_WINDOW  # when the last incident of lock waits began
+        self._no_riders_until = 0.0
         self._changed = asyncio.Condition()
         self._turns = asyncio.Lock()
         self._boarding: Boarding | None = None
@@ -278,6 +281,8 @@ class Lanes:
         """
         if room <= 0 or self.serial or self._boarding is not None:
             return []
+        if time.monotonic() < self._no_riders_until:
+            return []
         boarding = Boarding(room)
         async with self._changed:
             for rider in [r for r in self._waiting if boarding.take(r)]:
@@ -293,6 +298,12 @@ class Lanes:
         finally:
             self._boarding = None
         return boarding.riders
+
+    def riders_too_slow(self) -> None:
+        """A shared transaction's handlers ran past their time: its batches' handlers would
+        rather run side by side on the lanes, so nobody rides for :data:`RIDERS_PAUSE`."""
+        self._no_riders_until = time.monotonic() + RIDERS_PAUSE
+        log.info("handlers too slow to share a transaction; nobody rides for %.0fs", RIDERS_PAUSE)
 
     def waited(self) -> None:
         """A batch on a shared lane waited past LOCK_WAIT: serial at the second incident."""

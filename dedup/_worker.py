@@ -303,7 +303,7 @@ class PartitionWorker:
     ) -> bool:
         """Apply this batch and the riders' in one transaction; False: each runs alone."""
         crew = [(self, msgs, dead), *(rider.batch for rider in riders)]
-        return await batch.together(lane, self._s, crew, riders, self._stats)
+        return await batch.together(self._lanes, lane, self._s, crew, riders, self._stats)
 
     def _contended(self, exc: Exception, again: bool = False) -> bool:
         """The batch ran into another lane's row locks: count it; the lanes may turn serial

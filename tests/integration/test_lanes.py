@@ -263,3 +263,28 @@ async def test_a_handler_failing_in_a_shared_transaction_costs_the_other_partiti
     assert [(r["idempotency_key"], r["attempts"]) for r in letters] == [("m1", 3)]
     assert consumer.stats["processed"] == 11
     assert consumer.stats["dead_lettered"] == 1
+
+
+async def test_handlers_too_slow_to_share_a_transaction_run_side_by_side_again(
+    bootstrap_servers: str, topics: Topics, pool: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shared transaction runs its handler calls one after another; slow handlers (an
+    HTTP call each, say) cut it, and the batches run alone, on the lanes, from then on."""
+    topic = await topics.create(partitions=4)
+    await pool.execute(support.EFFECTS)
+
+    async def slow(msg: dedup.Message, tx: dedup.Tx) -> None:
+        await asyncio.sleep(0.1)  # the handler's own slow work, not a test's wait
+        await support.record_effect(msg, tx)
+
+    for p in range(4):
+        await helpers.produce(
+            bootstrap_servers, topic, [(None, item(10 * p + i)) for i in range(3)], partition=p
+        )
+    consumer = support.consumer(slow, topic, bootstrap_servers, pool)
+    with caplog.at_level(logging.INFO, logger="dedup.lanes"):
+        async with support.running(consumer):
+            await helpers.wait_for(lambda: support.handled(consumer, 12), what="all 12 records")
+    assert "handlers too slow to share a transaction; nobody rides" in caplog.text
+    assert await support.effect_counts(pool) == (12, 12)
+    assert consumer.stats["dead_lettered"] == 0

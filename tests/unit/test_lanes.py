@@ -170,3 +170,21 @@ def test_lock_waits_turn_the_lanes_serial_at_their_second_incident(
     other = lanes.Lanes(types.SimpleNamespace(), 4)
     other.deadlocked()
     assert other.serial
+
+
+async def test_nobody_rides_for_a_while_after_handlers_too_slow_to_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(lanes, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    ls = lanes.Lanes(types.SimpleNamespace(), 1)
+    ls.riders_too_slow()
+    async with ls.lane():
+        waiting = asyncio.create_task(_ride(ls, lanes.Rider("r", 1)))
+        await asyncio.sleep(0)
+        assert await ls.gather(10) == []  # its handler will run on a lane of its own
+        now[0] += lanes.RIDERS_PAUSE + 1
+        riders = await ls.gather(10)
+        assert [r.batch for r in riders] == ["r"]
+        lanes.tell(riders, True)
+    assert await asyncio.wait_for(waiting, 1) == "rode: True"
