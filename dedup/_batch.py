@@ -136,6 +136,8 @@ async def _transaction(
         finally:
             if turn is not None:
                 turn.end()  # the transaction ended, the group's turn with it
+            # Whatever the handler set on the session ends with its transaction.
+            lane.used()
         elapsed = time.perf_counter() - started
         for p, result in zip(parts, results, strict=True):
             await faults.point(

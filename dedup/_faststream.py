@@ -186,12 +186,13 @@ class FastStreamDedup:
             if not claimed.fresh:
                 return None
             fresh = _narrowed(msg, records, claimed.fresh) if batch else msg
-            tx = message_.Tx(conn=guard.GuardedConnection(conn), token=0)
+            guarded = guard.GuardedConnection(conn)
+            tx = message_.Tx(conn=guarded, token=0)
             try:
                 # "message" too: a batch subscriber's Context("message") is the narrowed one.
                 with context.scopes(((TX, tx), ("message", fresh))):
                     result = await call_next(fresh)
-                guard.check_open(conn)
+                guarded.check_done()
             except Exception as exc:
                 if db.is_retriable(exc):
                     raise  # Postgres's trouble, not the record's: FastStream redelivers

@@ -8,14 +8,17 @@ statements that end the transaction (``COMMIT``, ``END``, ``ROLLBACK``,
 ``ABORT``, ``PREPARE TRANSACTION``) and closing the connection, with an error
 that names what was tried; the batch rolls back like after any handler error.
 Savepoints (``conn.transaction()`` inside the handler, ``ROLLBACK TO``) are
-fine.  After the handler, :func:`check_open` makes sure the transaction is
-still open, whatever way it was ended.
+fine.  After the handler, :meth:`GuardedConnection.check_done` makes sure the
+transaction is still open, whatever way it was ended, and that every statement
+the handler started on ``tx.conn`` was awaited: a forgotten ``await`` would
+otherwise commit the claim without the write it guards.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import asyncpg
@@ -28,12 +31,23 @@ _ENDS_TRANSACTION = re.compile(
 _DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
 
 
-def _checked(name: str) -> Callable[..., Awaitable[Any]]:
-    """A method that checks its statement, then runs the connection's method ``name``."""
+def _checked(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """A method that checks its statement, then runs the connection's method ``name``.
 
-    async def method(self: GuardedConnection, query: str, *args: Any, **kwargs: Any) -> Any:
-        check_statement(query)
+    Each call's coroutine is kept until :meth:`GuardedConnection.check_done`, which
+    looks for one the handler never awaited.
+    """
+
+    async def run(self: GuardedConnection, query: str, *args: Any, **kwargs: Any) -> Any:
         return await getattr(self._conn, name)(query, *args, **kwargs)
+
+    def method(
+        self: GuardedConnection, query: str, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, Any]:
+        check_statement(query)
+        call = run(self, query, *args, **kwargs)
+        self._calls.append((name, call))
+        return call
 
     method.__name__ = method.__qualname__ = name
     return method
@@ -45,10 +59,11 @@ class GuardedConnection:
     Every other attribute is the connection's own.
     """
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_calls", "_conn")
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
+        self._calls: list[tuple[str, Coroutine[Any, Any, Any]]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
@@ -82,6 +97,28 @@ class GuardedConnection:
 
     async def reset(self, **kwargs: Any) -> None:
         raise errors.HandlerError("the handler tried to reset dedup's connection")
+
+    def check_done(self) -> None:
+        """Raise HandlerError if the handler left a statement un-awaited or the transaction ended.
+
+        An un-awaited statement never ran, so committing would claim the key
+        without the write: the batch must roll back instead.
+        """
+        calls, self._calls = self._calls, []
+        forgotten = [name for name, call in calls if _never_started(call)]
+        for _, call in calls:
+            if _never_started(call):
+                call.close()  # no "never awaited" warning: the error below says it
+        if forgotten:
+            raise errors.HandlerError(
+                f"the handler called tx.conn.{forgotten[0]}() without awaiting it "
+                f"({len(forgotten)} statement(s) never ran): a missing `await`"
+            )
+        check_open(self._conn)
+
+
+def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
+    return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
 
 def check_statement(sql: str) -> None:

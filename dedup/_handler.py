@@ -1,7 +1,8 @@
 """Calling the user's handler inside a batch's transaction, and telling its failures apart.
 
 A handler's failure (an exception, its deadline passed, a cancellation of its
-own, a transaction it tried to end) is its fault: the worker isolates the
+own, a transaction it tried to end, a statement or a result it forgot to
+await) is its fault: the worker isolates the
 message and dead-letters it.  A lost connection is an outage, retried.  The
 difference is drawn here, where the handler is called.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,30 +39,41 @@ async def run(
     A per-message handler's exception carries the failing message's offset
     (see :func:`failed_offset`), so the worker can split the batch around it.
     """
-    tx = message_.Tx(conn=guard.GuardedConnection(conn), token=token)
+    guarded = guard.GuardedConnection(conn)
+    tx = message_.Tx(conn=guarded, token=token)
     if batch_handler:
-        await call(handler(msgs, tx), conn, deadline_s)  # type: ignore[arg-type]
+        await call(handler(msgs, tx), guarded, deadline_s)  # type: ignore[arg-type]
         return
     for msg in msgs:
         try:
-            await call(handler(msg, tx), conn, deadline_s)  # type: ignore[arg-type]
+            await call(handler(msg, tx), guarded, deadline_s)  # type: ignore[arg-type]
         except Exception as exc:
             with contextlib.suppress(AttributeError):
                 exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
             raise
 
 
-async def call(call: Awaitable[object], conn: asyncpg.Connection, deadline_s: float | None) -> None:
+async def call(
+    call: Awaitable[object], conn: guard.GuardedConnection, deadline_s: float | None
+) -> None:
     """Await one handler call within ``deadline_s`` seconds; leave the transaction open or raise.
 
     Past the deadline the handler is cancelled and HandlerError raised.  A
     ``CancelledError`` the handler raises on its own (a cancelled HTTP call,
     say) is a handler failure too; only a cancellation of dedup's own task
-    (shutdown, revoke) goes through as one.
+    (shutdown, revoke) goes through as one.  So is a result that can still be
+    awaited (``return tx.conn.execute(...)``, a missing ``await``) and a
+    statement on ``tx.conn`` never awaited: neither ran, and committing would
+    claim the key without its write.
+
+    ``SystemExit`` and ``KeyboardInterrupt`` go through: the transaction rolls
+    back and the process ends, as the handler asked.  The consumer counts such
+    exits across restarts and dead-letters the message after ``max_attempts``
+    of them (see :mod:`dedup._worker`).
     """
     try:
         async with asyncio.timeout(deadline_s) as deadline:
-            await call
+            result = await call
     except TimeoutError as exc:
         if not deadline.expired():
             raise  # the handler's own TimeoutError: an error like any other
@@ -81,7 +94,21 @@ async def call(call: Awaitable[object], conn: asyncpg.Connection, deadline_s: fl
             "the handler raised CancelledError though dedup did not cancel it "
             "(a timeout or a cancelled call inside the handler?)"
         ) from exc
-    guard.check_open(conn)
+    if inspect.isawaitable(result):
+        _discard(result)
+        raise errors.HandlerError(
+            f"the handler returned {type(result).__name__} {result!r:.80} instead of awaiting "
+            "it: a missing `await` (nothing it would have done ran)"
+        )
+    conn.check_done()
+
+
+def _discard(awaitable: Awaitable[object]) -> None:
+    """Close or cancel an awaitable nobody will await, so it neither runs nor warns."""
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()
+    elif isinstance(awaitable, asyncio.Future):
+        awaitable.cancel()
 
 
 def failed_offset(exc: BaseException) -> int | None:

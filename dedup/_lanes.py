@@ -66,6 +66,8 @@ from typing import Any
 
 import asyncpg
 
+from dedup import _db as db
+
 log = logging.getLogger("dedup.lanes")
 
 SERIAL_COOLDOWN = 30.0
@@ -170,6 +172,7 @@ class Lane:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._conn: asyncpg.Connection | None = None
+        self._dirty = False
         self.shared = False
         """Lent while other lanes may run: the batch's lock waits are cut at LOCK_WAIT."""
 
@@ -177,12 +180,41 @@ class Lane:
         """The lane's connection, (re)acquired from the pool when it has none or lost it.
 
         Nothing is set on the session: each transaction sets what it needs
-        (``SET LOCAL``), which a pooler in transaction mode keeps too.
+        (``SET LOCAL``), which a pooler in transaction mode keeps too.  What a
+        handler set on it is reset first (:meth:`used`).
         """
+        if self._conn is not None and self._dirty:
+            await self._reset()
         if self._conn is None or not _usable(self._conn):
             await self.release()
             self._conn = await self._pool.acquire()
         return self._conn
+
+    def used(self) -> None:
+        """A handler ran on the connection: reset its session before the lane's next use."""
+        self._dirty = True
+
+    async def _reset(self) -> None:
+        """Undo what a handler set on the session (:meth:`used`), before the next transaction.
+
+        The lane keeps its connection, so a handler's ``SET search_path``,
+        ``SET ROLE`` or ``SET SESSION CHARACTERISTICS`` would otherwise meet every
+        later message.  This runs what asyncpg's pool runs when a connection is
+        given back (``Connection.get_reset_query``: ``RESET ALL``, advisory locks
+        unlocked, cursors closed, ``UNLISTEN *``), and ``RESET ROLE``, which
+        ``RESET ALL`` leaves alone.  Settings the pool or the DSN gives the
+        session at connect time (``server_settings``) are its defaults, and stay.
+        A connection that fails here is given back: the next transaction gets a
+        fresh one.
+        """
+        conn, self._dirty = self._conn, False
+        if conn is None or not _usable(conn):
+            return
+        try:
+            await db.queries().reset_session.execute(conn)
+        except Exception:
+            log.warning("resetting a lane's session failed; taking a fresh connection")
+            await self.release()
 
     async def release(self) -> None:
         """Give the connection back (after a transient failure: start again on a fresh one)."""

@@ -212,6 +212,8 @@ class Partitions:
             if task.cancelled():
                 raise errors.DedupError(f"the worker of {tp} was cancelled")
             failure = task.exception()
+            if isinstance(failure, worker.HandlerExit):
+                raise failure.exit  # run() stops as on SIGTERM, then raises it on
             if failure is not None:
                 raise failure
 

@@ -187,6 +187,47 @@ class Store:
         )
         await events.record(conn, self.schema, [event])
 
+    async def mark_start(
+        self,
+        conn: asyncpg.Connection,
+        fence: Fence,
+        topic: str,
+        partition: int,
+        *,
+        offset: int,
+        stretch: int,
+    ) -> tuple[int, bool] | None:
+        """Record, committed on its own, that a batch under ``fence`` starts at ``offset``.
+
+        Returns the attempts at that message, this one included, and whether it
+        lies in a stretch to apply one message at a time (an earlier holder died
+        in it; a death found now opens one of ``stretch`` offsets).  None: the
+        fence no longer holds.  See ``mark_start`` in the named queries.
+        """
+        row = await self.queries.mark_start.fetchrow(
+            conn,
+            group_id=fence.group_id,
+            topic=topic,
+            partition=partition,
+            token=fence.token,
+            offset=offset,
+            stretch=stretch,
+        )
+        return None if row is None else (int(row["starts"]), bool(row["single"]))
+
+    async def unmark_start(
+        self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, offset: int
+    ) -> None:
+        """Take back the attempt :meth:`mark_start` counted at ``offset`` (no death cut it)."""
+        await self.queries.unmark_start.execute(
+            conn,
+            group_id=fence.group_id,
+            topic=topic,
+            partition=partition,
+            token=fence.token,
+            offset=offset,
+        )
+
     async def advance(
         self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, next_offset: int
     ) -> None:

@@ -77,6 +77,17 @@ class Settings:
     database: str
 
 
+class HandlerExit(BaseException):
+    """A handler raised ``SystemExit`` or ``KeyboardInterrupt``: the worker's task ends
+    with this (asyncio would stop the event loop at once on the original), and the
+    consumer stops as on SIGTERM, then raises ``exit`` from :meth:`IdempotentConsumer.run`.
+    """
+
+    def __init__(self, exit: SystemExit | KeyboardInterrupt) -> None:
+        super().__init__(exit)
+        self.exit = exit
+
+
 class PartitionWorker:
     """Applies one owned partition's records under its fencing token."""
 
@@ -115,6 +126,11 @@ class PartitionWorker:
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._oldest_in_flight: int | None = None  # a timestamp (ms), for the age gauge
+        # Exits counted across restarts (``_starts``): a mark before the first batch,
+        # and before each message of a stretch where an earlier holder died.
+        self._watching = True
+        self._single = False
+        self._marked: int | None = None  # the offset marked, until committed past
         self._counted = telemetry.counting(batch.counted(settings, tp.topic))
         self._consumed = batch.consumed(settings, tp)
 
@@ -196,6 +212,29 @@ class PartitionWorker:
     # ----------------------------------------------------------------- loop --
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # The batch rolled back on the way here; its mark stays, so the exit
+            # counts against the message across restarts (_starts).
+            log.warning("the handler of %s ended the process (%r); stopping", self.tp, exc)
+            raise HandlerExit(exc) from exc
+        except asyncio.CancelledError:
+            if self._marked is not None:
+                await self._unmark(self._marked)  # a clean stop or a revoke: no death
+            raise
+
+    async def _unmark(self, offset: int) -> None:
+        try:
+            async with self._lanes.lane() as lane:
+                conn = await lane.connection()
+                await self._s.store.unmark_start(
+                    conn, self.fence(), self.tp.topic, self.tp.partition, offset
+                )
+        except Exception as exc:  # the next holder counts one attempt too many, no more
+            log.info("taking back the mark of %s at %d failed (%r)", self.tp, offset, exc)
+
+    async def _loop(self) -> None:
         while True:
             await self._more.wait()
             if self._closing.is_set():
@@ -204,17 +243,67 @@ class PartitionWorker:
                 to, self._follow_to = self._follow_to, None
                 if not await self._advance(to):
                     return
-            batch = [
-                self._records.popleft() for _ in range(min(self._s.batch_size, len(self._records)))
-            ]
+            exits = await self._starts() if self._watching and self._records else 0
+            limit = 1 if self._single else self._s.batch_size
+            batch = [self._records.popleft() for _ in range(min(limit, len(self._records)))]
             if not self._records:
                 self._more.clear()
             self._on_room(self.tp)
-            if batch and not await self._apply(batch):
+            if batch and not await self._apply(batch, exits):
                 return
+            if self._marked is not None and (self.expected or 0) > self._marked:
+                self._marked = None  # committed past the mark
 
-    async def _apply(self, records: list[Any]) -> bool:
-        """Apply the records of one batch; False when the partition is lost."""
+    async def _starts(self) -> int:
+        """Mark where the next batch starts; how often the process ended handling it before.
+
+        A message whose handling ends the process (``SystemExit`` from a handler,
+        a signal, an OOM kill) rolls its batch back, and the restart meets it
+        again: nothing in memory survives to count with.  So before its first
+        batch a holder records, committed on its own, where that batch starts
+        (``mark_start``).  Finding that an earlier holder started there and died,
+        it applies the next ``batch_size`` offsets one message at a time, marking
+        each, so the next death names its message.  A message that ended the
+        process ``max_attempts`` times is dead-lettered unhandled (:meth:`_apply`)
+        and the partition moves on.  A clean stop that cuts a batch counts too.
+        """
+        head = self._records[0].offset
+        try:
+            async with self._lanes.lane() as lane:
+                conn = await lane.connection()
+                marked = await self._s.store.mark_start(
+                    conn,
+                    self.fence(),
+                    self.tp.topic,
+                    self.tp.partition,
+                    offset=head,
+                    stretch=self._s.batch_size,
+                )
+        except Exception as exc:
+            if not db.is_retriable(exc):
+                raise
+            log.warning("marking where %s starts failed (%r); applying unmarked", self.tp, exc)
+            return 0
+        if marked is None:
+            return 0  # not ours any more: the batch's fence finds out who has it
+        self._marked = head
+        starts, single = marked
+        if single and not self._single:
+            log.warning(
+                "%s: the process ended while handling offset %d or the batch it began; "
+                "applying one message at a time from there",
+                self.tp,
+                head,
+            )
+        self._single = self._watching = single
+        return starts - 1
+
+    async def _apply(self, records: list[Any], exits: int = 0) -> bool:
+        """Apply the records of one batch; False when the partition is lost.
+
+        ``exits``: how often the process ended while handling the batch's first
+        message (see :meth:`_starts`); past ``max_attempts`` it is dead-lettered.
+        """
         floor = self.expected if self.expected is not None else -1
         keyed: list[message_.Message] = []
         dead: list[store.DeadLetter] = []
@@ -223,6 +312,15 @@ class PartitionWorker:
                 continue
             msg = message_.Message.from_record(record)
             letter = batch.take_key(self._s.key, self._s.on_missing_key, msg)
+            if letter is None and exits >= self._s.max_attempts:
+                letter = store.DeadLetter(
+                    msg,
+                    f"the process ended {exits} times while handling it",
+                    error="the process ended (SystemExit or KeyboardInterrupt from the handler, "
+                    "a signal, an out-of-memory kill?); see the consumer's log",
+                    attempts=exits,
+                )
+                log.error("dead-lettering %s: %s", msg.where, letter.reason)
             if letter is None:
                 keyed.append(msg)
             else:

@@ -58,6 +58,9 @@ async def test_sigkill_mid_batch_three_times_applies_each_key_once(
     await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(n)])
     common = process_args(dsn, bootstrap_servers, topic, batch_size)
 
+    # Three kills may strike the same message each time; at the default max_attempts
+    # it would be dead-lettered as one that ends the process (test_handler_contract.py).
+    common += ["--max-attempts", "10"]
     for _ in range(3):
         async with started(*common, "--hold", "0.3") as child:
             # Strike inside the second batch: its rows are written, not committed.

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+import aiokafka
 import asyncpg
 import orjson
 import pytest
@@ -215,13 +216,12 @@ async def test_small_batches_of_several_partitions_ride_in_one_transaction(
             len(calls),
         )
 
-    for p in range(4):
-        await helpers.produce(
-            bootstrap_servers, topic, [(None, item(10 * p + i)) for i in range(3)], partition=p
-        )
     consumer = support.consumer(handler, topic, bootstrap_servers, pool)
     async with support.running(consumer):
-        await helpers.wait_for(lambda: support.handled(consumer, 12), what="all 12 records")
+        await _warm_up(bootstrap_servers, topic, consumer, 4)
+        records = {p: [(None, item(10 * p + i)) for i in range(3)] for p in range(4)}
+        await _produce_at_once(bootstrap_servers, topic, records)
+        await helpers.wait_for(lambda: support.handled(consumer, 16), what="all 16 records")
     assert all(len({p for p, _ in call}) == 1 for call in calls), calls
     assert all([o for _, o in call] == sorted(o for _, o in call) for call in calls), calls
     # Each partition's rows carry its own token, as its fence has it.
@@ -235,11 +235,40 @@ async def test_small_batches_of_several_partitions_ride_in_one_transaction(
         'SELECT max(n) FROM (SELECT count(DISTINCT "partition") AS n FROM seen GROUP BY tx) t'
     )
     assert widest >= 2, "small batches of several partitions shared a transaction"
-    assert await pool.fetchval("SELECT count(*) FROM seen") == 12
+    assert await pool.fetchval("SELECT count(*) FROM seen") == 16
     stored = await pool.fetch(
         'SELECT "partition", next_offset FROM dedup.partitions WHERE topic = $1', topic
     )
-    assert {r["partition"]: r["next_offset"] for r in stored} == {p: 3 for p in range(4)}
+    assert {r["partition"]: r["next_offset"] for r in stored} == {p: 4 for p in range(4)}
+
+
+async def _warm_up(
+    bootstrap_servers: str, topic: str, consumer: dedup.IdempotentConsumer, partitions: int
+) -> None:
+    """One record per partition, handled: each partition's first batch, which runs alone
+    once its start is marked (``PartitionWorker._starts``), is behind us."""
+    for p in range(partitions):
+        await helpers.produce(bootstrap_servers, topic, [(None, item(900 + p))], partition=p)
+    await helpers.wait_for(
+        lambda: support.handled(consumer, partitions), what="the warm-up records"
+    )
+
+
+async def _produce_at_once(
+    bootstrap_servers: str, topic: str, records: dict[int, list[tuple[None, bytes]]]
+) -> None:
+    """Each partition's records in one produce request, as a live stream's fetch sees them."""
+    producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap_servers, linger_ms=100)
+    await producer.start()
+    try:
+        sent = [
+            await producer.send(topic, value, partition=p)
+            for p, batch in records.items()
+            for _, value in batch
+        ]
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
 
 
 async def test_a_handler_failing_in_a_shared_transaction_costs_the_other_partitions_nothing(
@@ -249,19 +278,23 @@ async def test_a_handler_failing_in_a_shared_transaction_costs_the_other_partiti
     the culprit is dead-lettered after its attempts, the rest of its partition applied."""
     topic = await topics.create(partitions=4)
     await pool.execute(support.EFFECTS)
-    for p in range(4):
-        records = [(None, item(10 * p + i, explode=(p == 0 and i == 1))) for i in range(3)]
-        await helpers.produce(bootstrap_servers, topic, records, partition=p)
     consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
     with caplog.at_level(logging.INFO, logger="dedup.worker"):
         async with support.running(consumer):
-            await helpers.wait_for(lambda: support.handled(consumer, 12), what="all 12 records")
+            # The first batch of each partition runs alone once marked (_starts): warm up.
+            await _warm_up(bootstrap_servers, topic, consumer, 4)
+            records = {
+                p: [(None, item(10 * p + i, explode=(p == 0 and i == 1))) for i in range(3)]
+                for p in range(4)
+            }
+            await _produce_at_once(bootstrap_servers, topic, records)
+            await helpers.wait_for(lambda: support.handled(consumer, 16), what="all 16 records")
     shared = "partitions failed (RuntimeError('handler bug in batch')); each runs alone"
     assert shared in caplog.text
-    assert await support.effect_counts(pool) == (11, 11)
+    assert await support.effect_counts(pool) == (15, 15)
     letters = await pool.fetch("SELECT idempotency_key, attempts FROM dedup.dead_letters")
     assert [(r["idempotency_key"], r["attempts"]) for r in letters] == [("m1", 3)]
-    assert consumer.stats["processed"] == 11
+    assert consumer.stats["processed"] == 15
     assert consumer.stats["dead_lettered"] == 1
 
 
@@ -277,14 +310,13 @@ async def test_handlers_too_slow_to_share_a_transaction_run_side_by_side_again(
         await asyncio.sleep(0.1)  # the handler's own slow work, not a test's wait
         await support.record_effect(msg, tx)
 
-    for p in range(4):
-        await helpers.produce(
-            bootstrap_servers, topic, [(None, item(10 * p + i)) for i in range(3)], partition=p
-        )
     consumer = support.consumer(slow, topic, bootstrap_servers, pool)
     with caplog.at_level(logging.INFO, logger="dedup.lanes"):
         async with support.running(consumer):
-            await helpers.wait_for(lambda: support.handled(consumer, 12), what="all 12 records")
+            await _warm_up(bootstrap_servers, topic, consumer, 4)
+            records = {p: [(None, item(10 * p + i)) for i in range(3)] for p in range(4)}
+            await _produce_at_once(bootstrap_servers, topic, records)
+            await helpers.wait_for(lambda: support.handled(consumer, 16), what="all 16 records")
     assert "handlers too slow to share a transaction; nobody rides" in caplog.text
-    assert await support.effect_counts(pool) == (12, 12)
+    assert await support.effect_counts(pool) == (16, 16)
     assert consumer.stats["dead_lettered"] == 0

@@ -1,7 +1,8 @@
 """A consumer in its own OS process, for tests that kill, pause or crowd it.
 
     python -m tests.support.consumer_process --dsn DSN --bootstrap-servers HOST:PORT \
-        --topic T --group G [--batch-size N] [--hold SECONDS] [--idle-timeout-ms MS]
+        --topic T --group G [--batch-size N] [--hold SECONDS] [--idle-timeout-ms MS] \
+        [--exit-on KEY [--exit-how system-exit|keyboard-interrupt|kill]]
 
 It applies the ``effects`` rows of :mod:`dedup_dev.effects`
 with the batch handler.  ``--hold`` keeps each batch's transaction open that long
@@ -18,6 +19,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +40,9 @@ async def main(args: argparse.Namespace) -> None:
 
     async def handler(msgs: list[dedup.Message], tx: dedup.Tx) -> None:
         await support.record_effects(msgs, tx)
+        if args.exit_on and any(m.idempotency_key == args.exit_on for m in msgs):
+            say(f"EXITING {args.exit_how}")
+            end_the_process(args.exit_how)
         if args.hold:
             say(f"IN_BATCH {msgs[0].partition} {msgs[0].offset} {tx.token}")
             await asyncio.sleep(args.hold)
@@ -57,6 +63,7 @@ async def main(args: argparse.Namespace) -> None:
         max_poll_interval_ms=args.max_poll_interval_ms,
         holder=args.holder,
         shutdown_timeout=args.shutdown_timeout,
+        max_attempts=args.max_attempts,
         # The server cuts a paused process's session after --idle-timeout-ms; the
         # handler's deadline stays inside it.
         handler_timeout=args.handler_timeout
@@ -70,13 +77,27 @@ async def main(args: argparse.Namespace) -> None:
         await pool.close()
 
 
+def end_the_process(how: str) -> None:
+    """What a handler that ends its process does (``--exit-on``)."""
+    if how == "system-exit":
+        sys.exit(3)
+    if how == "keyboard-interrupt":
+        raise KeyboardInterrupt
+    os.kill(os.getpid(), signal.SIGKILL)  # a segfault or an OOM kill: no cleanup at all
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = children.consumer_parser()
     p.add_argument("--holder")
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--hold", type=float, default=0.0)
     p.add_argument("--hang", action="store_true", help="every batch's handler hangs")
+    p.add_argument("--exit-on", help="the handler ends the process on this key (--exit-how)")
+    p.add_argument(
+        "--exit-how", choices=["system-exit", "keyboard-interrupt", "kill"], default="system-exit"
+    )
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--handler-timeout", type=float, default=None)
     p.add_argument("--idle-timeout-ms", type=int, default=3000)
     p.add_argument("--session-timeout-ms", type=int, default=3000)

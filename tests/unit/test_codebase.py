@@ -7,8 +7,6 @@ import re
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[2] / "dedup"
-MAX_LINES = 450
-
 # A string that is SQL: a statement keyword followed by more text.  (A docstring
 # that starts with a verb is prose, and docstrings are not looked at.)
 _SQL_STATEMENT = re.compile(
@@ -62,15 +60,6 @@ def test_the_sql_check_sees_sql(tmp_path: Path) -> None:
         'C = "Select the partition"\n'
     )
     assert [hit.split(":")[1] for hit in _sql_literals(sample)] == ["2", "3"]
-
-
-def test_no_module_of_the_library_is_long() -> None:
-    long = {
-        path.name: n
-        for path in sorted(LIBRARY.rglob("*.py"))
-        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
-    }
-    assert long == {}
 
 
 def test_queries_name_their_parameters() -> None:

@@ -11,3 +11,12 @@ SELECT set_config(s.name, s.value, true)
 -- name: nothing
 -- A statement that does nothing, sent for what sending one does (a driver's BEGIN).
 SELECT 1
+
+-- name: reset_session
+-- Undo what a handler set on a consumer lane's session, before the lane's next
+-- transaction (dedup/_lanes.py): what asyncpg's pool runs when a connection is
+-- given back (Connection.get_reset_query), and RESET ROLE, which RESET ALL
+-- leaves alone.  Settings given at connect time (server_settings, the DSN's
+-- options) are the session's defaults and stay.  No parameters: one round trip
+-- of the simple protocol.
+SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE

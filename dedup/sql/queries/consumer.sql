@@ -11,6 +11,36 @@ ON CONFLICT (group_id, topic, "partition") DO UPDATE
    SET token = p.token + 1, holder = EXCLUDED.holder, acquired_at = now(), updated_at = now()
 RETURNING topic, "partition", token, next_offset
 
+-- name: mark_start
+-- Before a holder's first batch on a partition, and before each message of a
+-- stretch where an earlier holder died (0005_partition_starts.sql): a batch
+-- starts at :offset.  `starts` counts the attempts at that message: +1 when the
+-- last mark was there too (the holder that made it died), else the deaths its
+-- stretch shared + 1 inside a stretch, else 1.  The first death found outside a
+-- stretch opens one of :stretch offsets.  Every expression reads the row as it
+-- was.  Under this holder's token only; no row returned: stale.
+UPDATE {schema}.partitions AS p
+   SET started_offset = :offset,
+       starts = CASE WHEN p.started_offset = :offset THEN p.starts + 1
+                     WHEN :offset < p.suspect_until THEN p.suspect_deaths + 1
+                     ELSE 1 END,
+       suspect_until = CASE WHEN p.started_offset = :offset
+                             AND :offset >= coalesce(p.suspect_until, -1)
+                            THEN :offset + :stretch ELSE p.suspect_until END,
+       suspect_deaths = CASE WHEN p.started_offset = :offset
+                              AND :offset >= coalesce(p.suspect_until, -1)
+                             THEN p.starts ELSE p.suspect_deaths END
+ WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition AND token = :token
+RETURNING starts, :offset < coalesce(suspect_until, -1) AS single
+
+-- name: unmark_start
+-- A clean stop or a revoke cut the batch marked at :offset (mark_start): that
+-- was no death, so the attempt is taken back.
+UPDATE {schema}.partitions
+   SET starts = greatest(starts - 1, 0)
+ WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition AND token = :token
+   AND started_offset = :offset
+
 -- name: partition_position
 -- Who holds a partition and where its offset stands: after a COMMIT whose answer
 -- was lost, this tells whether the batch landed; after a refused fence, who
