@@ -16,6 +16,7 @@ import aiokafka
 
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
+from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import keys
 
@@ -82,15 +83,22 @@ class Config:
     def __post_init__(self) -> None:
         if isinstance(self.topics, str) or not self.topics:
             raise errors.ConfigurationError("topics must be a non-empty list of topic names")
+        for i, topic in enumerate(self.topics):
+            limits.check_text(f"topics[{i}]", topic, limits.MAX_TOPIC_BYTES)
         if not self.group_id:
             raise errors.ConfigurationError("group_id must be set")
+        limits.check_text("group_id", self.group_id, limits.MAX_NAME_BYTES)
+        limits.check_text("namespace", self.namespace, limits.MAX_NAME_BYTES)
+        limits.check_text("holder", self.holder, limits.MAX_NAME_BYTES)
         check_key(self.key)
-        _check_number("batch_size", self.batch_size, 1, 100_000, whole=True)
-        _check_number("concurrency", self.concurrency, 1, 64, whole=True)
-        _check_number("max_attempts", self.max_attempts, 1, 1000, whole=True)
-        _check_number("handler_timeout", self.handler_timeout, 0.001, 86_400, whole=False)
-        _check_number("shutdown_timeout", self.shutdown_timeout, 0, 86_400, whole=False)
-        _check_number("kafka_commit_interval", self.kafka_commit_interval, 0, 3600, whole=False)
+        limits.check_number("batch_size", self.batch_size, 1, 100_000, whole=True)
+        limits.check_number("concurrency", self.concurrency, 1, 64, whole=True)
+        limits.check_number("max_attempts", self.max_attempts, 1, 1000, whole=True)
+        limits.check_number("handler_timeout", self.handler_timeout, 0.001, 86_400, whole=False)
+        limits.check_number("shutdown_timeout", self.shutdown_timeout, 0, 86_400, whole=False)
+        limits.check_number(
+            "kafka_commit_interval", self.kafka_commit_interval, 0, 3600, whole=False
+        )
 
 
 def kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,12 +174,3 @@ def policies(
         message_.policy(message_.OnMissingKey, "on_missing_key", on_missing_key),
         message_.policy(message_.OnConflict, "on_conflict", on_conflict),
     )
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, whole: bool) -> None:
-    kinds = (int,) if whole else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
-        kind = "a whole number" if whole else "a number of seconds"
-        raise errors.ConfigurationError(
-            f"{name}={value!r}: expected {kind} from {low:g} to {high:g}"
-        )

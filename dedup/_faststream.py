@@ -32,6 +32,7 @@ from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _guard as guard
 from dedup import _handler as handler_
+from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import _store as store
 from dedup import _wrap as wrap_
@@ -41,6 +42,9 @@ log = logging.getLogger("dedup.faststream")
 
 TX = "dedup_tx"
 """The name of the transaction in FastStream's context: ``Context("dedup_tx")``."""
+MAX_RETRY_BACKOFF = 60.0
+"""Seconds, the longest ``retry_backoff``: the retries hold up FastStream's poll loop, and a
+member that stops polling for aiokafka's ``max_poll_interval_ms`` (5 minutes) leaves the group."""
 
 
 class FastStreamDedup:
@@ -85,14 +89,8 @@ class FastStreamDedup:
         on_conflict: str = message_.OnConflict.DEAD_LETTER,
     ) -> None:
         db.require_one(dsn, pool)
-        if not isinstance(max_attempts, int) or max_attempts < 1:
-            raise errors.ConfigurationError(
-                f"max_attempts must be a whole number >= 1, not {max_attempts!r}"
-            )
-        if not isinstance(retry_backoff, int | float) or retry_backoff < 0:
-            raise errors.ConfigurationError(
-                f"retry_backoff must be seconds >= 0, not {retry_backoff!r}"
-            )
+        limits.check_number("max_attempts", max_attempts, 1, 1000, whole=True)
+        limits.check_number("retry_backoff", retry_backoff, 0, MAX_RETRY_BACKOFF, whole=False)
         self.namespace = namespace
         self.key = key
         self.schema = schema

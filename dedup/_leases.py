@@ -37,6 +37,7 @@ import asyncpg
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
+from dedup import _limits as limits
 from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 
@@ -176,8 +177,7 @@ class Leases:
         as taken too: holders are not re-entrant, so N machines that share a
         holder name still exclude each other.
         """
-        if ttl <= 0:
-            raise errors.ConfigurationError(f"lease ttl must be positive seconds, not {ttl!r}")
+        limits.check_lease(resource, holder, ttl, namespace, key)
         async with self._conn(conn) as c:
             row = await self._q.lease_acquire.fetchrow(
                 c, resource=resource, holder=holder, ttl=float(ttl)
@@ -196,6 +196,8 @@ class Leases:
         Raises :class:`dedup.StaleTokenError` when the lease expired or a newer
         holder took the resource: an expired lease is never revived.
         """
+        if ttl is not None:
+            limits.check_number("ttl", ttl, limits.MIN_LEASE_TTL, limits.MAX_LEASE_TTL, whole=False)
         async with self._conn(conn) as c:
             row = await self._q.lease_renew.fetchrow(
                 c,

@@ -34,6 +34,7 @@ from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _leases as leases
+from dedup import _limits as limits
 from dedup import _migrations as migrations
 from dedup import _sql as sql
 from dedup import _task_run as task_run
@@ -46,6 +47,11 @@ DEFAULT_LEASE_TTL = 30.0
 """Seconds; short on purpose: the watchdog renews at a fraction of it while the job runs."""
 DEFAULT_MAX_ATTEMPTS = 3
 """Runs of one (task, key) before a failed task is left alone until forced."""
+MIN_TASK_LEASE_TTL = 1.0
+"""Seconds, the shortest ``lease_ttl`` of a run: the watchdog renews every ``lease_ttl *
+renew_fraction``, and a shorter lease is lost to one slow round trip to Postgres."""
+MAX_ATTEMPTS = 1000
+"""The largest ``max_attempts``, as for the consumer: past it a failing job is retried forever."""
 
 Job = Callable[[task_run.TaskRun], Awaitable[object]]
 LeaseLostCallback = Callable[[task_run.TaskRun, errors.StaleTokenError], object]
@@ -81,8 +87,7 @@ class TaskRunner:
         self._pool_options = db.check_pool_options(pool_options, pool=pool)
         # dedup's idle timeout goes with dedup's pool; a pool of yours keeps its settings.
         self._settings: Mapping[str, str] = db.TRANSACTION_SETTINGS if pool is None else {}
-        if max_attempts < 1:
-            raise errors.ConfigurationError(f"max_attempts must be at least 1, not {max_attempts}")
+        limits.check_number("max_attempts", max_attempts, 1, MAX_ATTEMPTS, whole=True)
         if not 0 < renew_fraction < 1:
             raise errors.ConfigurationError(
                 f"renew_fraction must be between 0 and 1 (a fraction of the ttl), "
@@ -90,7 +95,8 @@ class TaskRunner:
             )
         sql.quote(schema)
         self.dsn = dsn
-        self.holder = holder or leases.default_holder()
+        holder = holder or leases.default_holder()
+        self.holder = limits.check_text("holder", holder, limits.MAX_NAME_BYTES)
         """This runner's name in leases and events."""
         self.schema = schema
         """The schema of dedup's tables."""
@@ -148,7 +154,7 @@ class TaskRunner:
         succeeded (or out-of-attempts) task again and records that it was
         forced; it never takes a live lease from a running holder.
         """
-        _check_run(task, business_key, lease_ttl)
+        _check_run(task, business_key, lease_ttl)  # before any row is touched
         attributes = {
             "dedup.task": task,
             "dedup.key": business_key,
@@ -398,12 +404,14 @@ class TaskRunner:
 
 
 def _check_run(task: str, business_key: str, lease_ttl: float) -> None:
-    if not task or ":" in task:
-        raise errors.ConfigurationError(f"invalid task code {task!r}: a non-empty name without ':'")
-    if not business_key:
-        raise errors.ConfigurationError("the business key must not be empty")
-    if lease_ttl <= 0:
-        raise errors.ConfigurationError(f"lease_ttl must be positive seconds, not {lease_ttl}")
+    limits.check_text("task", task, limits.MAX_NAME_BYTES)
+    if ":" in task:
+        # The lease resource is task:<task>:<business key>: a ':' would make two tasks share one.
+        raise errors.ConfigurationError(f"invalid task code {task!r}: it can't contain ':'")
+    limits.check_text("business_key", business_key, limits.MAX_BUSINESS_KEY_BYTES)
+    limits.check_number(
+        "lease_ttl", lease_ttl, MIN_TASK_LEASE_TTL, limits.MAX_LEASE_TTL, whole=False
+    )
 
 
 def _started(run: task_run.TaskRun, row: asyncpg.Record) -> events.Event:

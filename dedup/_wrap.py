@@ -13,6 +13,7 @@ from typing import Any
 from dedup import _batch as batch
 from dedup import _config as config
 from dedup import _drivers as drivers
+from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import _store as store
 from dedup import keys
@@ -112,6 +113,7 @@ def _claimer(
     key: keys.Strategy, schema: str, namespace: str, on_missing_key: object, on_conflict: object
 ) -> tuple[store.Store, message_.OnMissingKey]:
     """The store that claims keys for ``wrap`` and ``claim``, after checking their settings."""
+    limits.check_text("namespace", namespace, limits.MAX_NAME_BYTES)
     config.check_key(key)
     missing_key, conflict = config.policies(on_missing_key, on_conflict)
     return store.Store(schema=schema, namespace=namespace, on_conflict=conflict), missing_key

@@ -160,13 +160,16 @@ def extract(strategy: Strategy, msg: message_.Message) -> str:
     """Apply ``strategy`` and return the key as stored (:func:`stored`).
 
     Raise KeyExtractionError with the reason (at most :data:`MAX_REASON_CHARS`
-    long) when there is no key.
+    long, :func:`storable`) when there is no key.
     """
     try:
         key = strategy(msg)
     except errors.KeyExtractionError as exc:
-        if len(str(exc)) > MAX_REASON_CHARS:
-            raise errors.KeyExtractionError(shorten(str(exc))) from exc
+        # The reason is stored with the dead letter: a NUL or a lone surrogate in it (from
+        # a strategy quoting the message) would fail the write and stall the partition.
+        reason = shorten(storable(str(exc)))
+        if reason != str(exc):
+            raise errors.KeyExtractionError(reason) from exc
         raise
     except Exception as exc:
         raise errors.KeyExtractionError(
@@ -217,6 +220,18 @@ def lookup_forms(key: str) -> list[str]:
     """
     as_stored = stored(key)
     return [as_stored] if as_stored == key else [as_stored, key]
+
+
+def storable(text: str) -> str:
+    """``text`` with what Postgres text can't hold escaped: a NUL as ``\\x00``, a lone
+    surrogate as ``\\ud800``; any other text is returned as it is."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def shorten(text: str, limit: int = MAX_REASON_CHARS) -> str:
