@@ -25,6 +25,7 @@ from dedup import _cli_migrate as cli_migrate
 from dedup import _cli_offsets as cli_offsets
 from dedup import _errors as errors
 from dedup import _imports as imports
+from dedup import _report as report
 from dedup import _task_command as task_command
 from dedup import _tasks as tasks
 
@@ -37,14 +38,9 @@ _common = common.add_common
 _dsn = common.dsn
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
+MAX_LEASE_TTL = 86400.0
+"""The longest ``task run --ttl`` in seconds: a runner that dies holds its task
+until the lease expires, so a lease longer than a day is a typo."""
 
 
 def _load_job(spec: str) -> tasks.Job:
@@ -70,7 +66,7 @@ async def _task_run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         lease_ttl=args.ttl,
         force=args.force,
-        pool_options=POOL_OPTIONS,
+        pool_options={**POOL_OPTIONS, "timeout": args.connect_timeout},
     )
 
 
@@ -135,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", required=True, help="the business key, e.g. 2024-05-31")
     p.add_argument(
         "--ttl",
-        type=_seconds,
+        type=common.seconds(0, MAX_LEASE_TTL, above=True),
         default=tasks.DEFAULT_LEASE_TTL,
         help="lease seconds, renewed every third of it while the job runs (default: %(default)s)",
     )
@@ -143,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holder", help="this runner's name (default: hostname:pid:xxxxxx)")
     p.add_argument(
         "--max-attempts",
-        type=int,
+        type=common.integer(1, common.INT32_MAX),
         default=tasks.DEFAULT_MAX_ATTEMPTS,
         help="runs before a failing task is left alone until --force (default: %(default)s)",
     )
@@ -170,10 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(func(args))
     except errors.ConfigurationError as exc:
-        print(f"dedup {args.command}: {exc}", file=sys.stderr)
+        print(f"dedup {args.command}: {report.escape(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except errors.DedupError as exc:
-        print(f"dedup {args.command}: {exc}", file=sys.stderr)
+        print(f"dedup {args.command}: {report.escape(str(exc))}", file=sys.stderr)
         return EXIT_PROBLEM
 
 

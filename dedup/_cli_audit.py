@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import sys
 from typing import Any
 
 from dedup import _audit as audit
@@ -19,6 +20,7 @@ from dedup import _dead_letters as dead_letters
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
 from dedup import _reconciliation as reconciliation
+from dedup import _report as report
 from dedup import _retention as retention
 
 
@@ -120,7 +122,11 @@ async def _purge(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             pause=args.pause,
             dry_run=args.dry_run,
+            force=args.force,
         )
+    if done.forced:
+        did = "would purge" if args.dry_run else "purged"
+        print(f"dedup purge: --force: {did} with a cutoff that is not in the past", file=sys.stderr)
     return common.show(done.as_report(), args, ok=not done.batches_skipped)
 
 
@@ -136,7 +142,7 @@ async def _reconcile(args: argparse.Namespace) -> int:
     registry = reconciliation.Registry.default(args.module)
     if args.list:
         for check in registry.checks():
-            print(f"{check.task}\t{check.description}")
+            print(f"{report.escape(check.task)}\t{report.escape(check.description)}")
         return common.EXIT_OK
     if not args.task or args.date is None:
         raise errors.ConfigurationError("give --task CODE and --date YYYY-MM-DD (or --list)")
@@ -160,8 +166,8 @@ def add_audit(sub: Any) -> None:
     p = common.command(sub, "audit", _audit)
     where = "with --partition and --offset: where the message was read"
     common.add_filters(p, **_KEY_FILTERS, topic=where)
-    p.add_argument("--partition", type=common.integer(0), help="see --topic")
-    p.add_argument("--offset", type=common.integer(0), help="see --topic")
+    p.add_argument("--partition", type=common.integer(0, common.INT32_MAX), help="see --topic")
+    p.add_argument("--offset", type=common.integer(0, common.INT64_MAX), help="see --topic")
     common.add_window(p, "first seen (dead letters: created)")
     p.add_argument(
         "--status",
@@ -199,11 +205,17 @@ def add_dead_letters(sub: Any) -> None:
     common.add_output(p)
 
     p = common.command(commands, "show", _dead_letters_show)
-    p.add_argument("id", type=common.integer(1), help="the dead letter's id")
+    p.add_argument("id", type=common.integer(1, common.INT64_MAX), help="the dead letter's id")
     common.add_output(p, limit=False)
 
     p = common.command(commands, "replay", _dead_letters_replay)
-    p.add_argument("ids", metavar="ID", nargs="+", type=common.integer(1), help="dead letter ids")
+    p.add_argument(
+        "ids",
+        metavar="ID",
+        nargs="+",
+        type=common.integer(1, common.INT64_MAX),
+        help="dead letter ids",
+    )
     common.add_kafka(p, "Kafka", secured=True)
     p.add_argument("--again", action="store_true", help="also resend those replayed already")
     p.add_argument("--holder", help="who replays, for the events table (default: user@host)")
@@ -223,17 +235,22 @@ def add_purge(sub: Any) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=common.integer(1),
+        type=common.integer(1, retention.MAX_BATCH_SIZE),
         default=retention.DEFAULT_BATCH_SIZE,
         help="rows per DELETE transaction (default: %(default)s)",
     )
     p.add_argument(
         "--pause",
-        type=common.pause,
+        type=common.seconds(0, retention.MAX_PAUSE),
         default=retention.DEFAULT_PAUSE,
         help="seconds between batches (default: %(default)s)",
     )
     p.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="purge although the cutoff is not in the past (every key goes: redeliveries apply)",
+    )
     common.add_output(p, limit=False)
 
 

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
@@ -71,8 +72,13 @@ def add_filters(parser: argparse.ArgumentParser, **helps: str) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", help=help)
 
 
+MAX_CONNECT_TIMEOUT = 300.0
+"""The longest ``--connect-timeout`` in seconds: past five minutes, a server is
+not slow but gone, and a command waiting that long looks hung."""
+
+
 def add_common(parser: argparse.ArgumentParser) -> None:
-    """``--dsn`` and ``--schema``, which every command takes."""
+    """``--dsn``, ``--schema`` and ``--connect-timeout``, which every command takes."""
     parser.add_argument(
         "--dsn",
         default=os.environ.get("DEDUP_DSN"),
@@ -82,6 +88,15 @@ def add_common(parser: argparse.ArgumentParser) -> None:
         "--schema",
         default=sql.DEFAULT_SCHEMA,
         help="schema holding dedup's tables (default: %(default)s)",
+    )
+    # argparse checks a string default with the option's type too.
+    parser.add_argument(
+        "--connect-timeout",
+        type=seconds(0, MAX_CONNECT_TIMEOUT, above=True),
+        default=os.environ.get("DEDUP_CONNECT_TIMEOUT", str(db.DEFAULT_CONNECT_TIMEOUT)),
+        metavar="SECONDS",
+        help="how long to wait for Postgres to answer when connecting "
+        "(default: $DEDUP_CONNECT_TIMEOUT, else %(default)s)",
     )
 
 
@@ -108,30 +123,52 @@ def argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     return convert
 
 
-def integer(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer of at least ``minimum``."""
+INT32_MAX = 2**31 - 1
+"""The largest Kafka partition number (and Postgres ``integer``)."""
+INT64_MAX = 2**63 - 1
+"""The largest Kafka offset and dedup id (Postgres ``bigint``)."""
+
+
+def integer(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``minimum`` to ``maximum``.
+
+    Every number a command takes goes through this or :func:`seconds`, so a
+    value out of range is refused before connecting, naming the range.
+    """
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = minimum - 1
-        if value < minimum:
-            raise ValueError(f"invalid value {text!r}: expected an integer >= {minimum}")
+        if not minimum <= value <= maximum:
+            raise ValueError(
+                f"invalid value {text!r}: expected an integer from {minimum} to {maximum}"
+            )
         return value
 
     return argtype(parse, "integer")
 
 
-def pause(text: str) -> float:
-    """An argparse ``type``: seconds to pause, zero or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"invalid pause {text!r}: expected seconds >= 0")
-    return value
+def seconds(minimum: float, maximum: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: seconds from ``minimum`` (excluded with ``above``) to ``maximum``."""
+    expected = (
+        f"more than {minimum:g} and at most {maximum:g}"
+        if above
+        else f"from {minimum:g} to {maximum:g}"
+    )
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        # NaN fails both comparisons, so it is refused too.
+        if not ((value > minimum if above else value >= minimum) and value <= maximum):
+            raise ValueError(f"invalid value {text!r}: expected seconds {expected}")
+        return value
+
+    return argtype(parse, "seconds")
 
 
 TIME = argtype(timespec.parse_time, "time")
@@ -149,7 +186,7 @@ def add_output(parser: argparse.ArgumentParser, *, limit: bool = True) -> None:
     if limit:
         parser.add_argument(
             "--limit",
-            type=integer(1),
+            type=integer(1, report.MAX_LIMIT),
             default=report.DEFAULT_LIMIT,
             help="most rows per list (default: %(default)s); JSON says truncated: true when cut",
         )
@@ -191,7 +228,7 @@ async def connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connecti
     """A connection to ``--dsn`` whose schema is migrated; errors say what to do."""
     sql.quote(args.schema)  # a bad name is bad usage, found before connecting
     try:
-        async with db.connection(dsn(args)) as conn:
+        async with db.connection(dsn(args), connect_timeout=args.connect_timeout) as conn:
             await migrations.check(conn, schema=args.schema)
             yield conn
     except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError) as exc:

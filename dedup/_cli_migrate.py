@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from dedup import _cli_common as common
+from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _migrations as migrations
 from dedup import _report as report
@@ -26,16 +27,18 @@ async def _migrate(args: argparse.Namespace) -> int:
         raise errors.ConfigurationError("--all goes with --sql")
     if args.format != "table" and not args.status:
         raise errors.ConfigurationError("--format goes with --status")
-    if args.sql:
-        if args.all:
-            found = migrations.discover(sql.migrations_dir())
-        else:
-            found = await migrations.pending(common.dsn(args), schema=args.schema)
+    if args.sql and args.all:
+        found = migrations.discover(sql.migrations_dir())
         print(migrations.script(found, schema=args.schema), end="")
         return common.EXIT_OK
-    if args.status:
-        return _status(await migrations.status(common.dsn(args), schema=args.schema), args)
-    applied = await migrations.migrate(common.dsn(args), schema=args.schema)
+    async with db.connection(common.dsn(args), connect_timeout=args.connect_timeout) as conn:
+        if args.sql:
+            found = await migrations.pending(conn, schema=args.schema)
+            print(migrations.script(found, schema=args.schema), end="")
+            return common.EXIT_OK
+        if args.status:
+            return _status(await migrations.status(conn, schema=args.schema), args)
+        applied = await migrations.migrate(conn, schema=args.schema)
     for name in applied:
         print(f"applied {name}")
     print(f"schema {args.schema} is up to date ({len(applied)} applied now)")

@@ -11,6 +11,7 @@ from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
 from dedup import _offsets as offsets
 from dedup import _offsets_kafka as offsets_kafka
+from dedup import _report as report
 
 
 def _kafka(args: argparse.Namespace) -> offsets_kafka.Kafka:
@@ -54,7 +55,7 @@ async def _move(args: argparse.Namespace) -> int:
         done, note = await offsets.move(conn, args.schema, request, kafka)
     common.show(done, args)  # before the note, on a terminal too
     if note:
-        print(f"dedup offsets {args.offsets_command}: {note}", file=sys.stderr)
+        print(report.escape(f"dedup offsets {args.offsets_command}: {note}"), file=sys.stderr)
     return common.EXIT_OK
 
 
@@ -101,12 +102,14 @@ def _add_move(commands: Any, action: str, what: str) -> None:
     p.add_argument("--topic", required=True, help="the topic")
     p.add_argument(
         "--partition",
-        type=common.integer(0),
+        type=common.integer(0, common.INT32_MAX),
         action="append",
         help="a partition (repeatable; default: every partition of the topic)",
     )
     to = p.add_mutually_exclusive_group(required=True)
-    to.add_argument("--to-offset", type=common.integer(0), help="the next offset to consume")
+    to.add_argument(
+        "--to-offset", type=common.integer(0, common.INT64_MAX), help="the next offset to consume"
+    )
     to.add_argument(
         "--to-time",
         type=common.TIME,

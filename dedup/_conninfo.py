@@ -91,6 +91,31 @@ def scrub(text: str, dsn: object = None) -> str:
     return text
 
 
+DEFAULT_PORT = "5432"
+"""Postgres' port when the DSN names a host and no port."""
+
+
+def address(dsn: str) -> str:
+    """Where ``dsn`` connects, ``host:port`` (comma-separated for several), for errors.
+
+    Names no secret; a DSN naming no host says where asyncpg looks instead.
+    """
+    try:
+        parts = urllib.parse.urlsplit(to_url(dsn))
+        query = urllib.parse.parse_qs(parts.query)
+    except ValueError:
+        return UNREADABLE
+    netloc = parts.netloc.rpartition("@")[2]
+    hosts = netloc or ",".join(query.get("host", []))
+    if not hosts:
+        # asyncpg reads these itself; the message only says where to look.
+        return "the default host and port (PGHOST, PGPORT)"
+    port = ",".join(query.get("port", [])) or DEFAULT_PORT
+    return ",".join(
+        h if h.rpartition("]")[2].count(":") else f"{h}:{port}" for h in hosts.split(",")
+    )
+
+
 def to_url(dsn: str) -> str:
     """``dsn`` as a URL asyncpg reads: a URL as it is, keyword/value pairs converted.
 

@@ -37,6 +37,13 @@ mode (pgbouncer), which rejects unknown startup parameters and hands each
 transaction whichever server connection is free.
 """
 
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds to wait for Postgres to accept a connection (asyncpg's ``timeout``,
+whose own default is 60 s): a server on the same network answers in
+milliseconds, so a few seconds tells a dead or hung one from a slow one without
+making every command and restart wait a minute.  Set it with
+``pool_options={"timeout": seconds}`` (``--connect-timeout`` on the commands)."""
+
 # Arguments of asyncpg.create_pool that dedup decides for the pool it opens.
 _OWN_POOL_ARGUMENTS = frozenset({"dsn", "init_size", "min_size", "max_size", "init"})
 
@@ -58,10 +65,12 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwarg
     ``dsn`` is a URL or libpq keyword/value pairs (:mod:`dedup.conninfo`).  The
     only startup parameter dedup adds is ``application_name`` (which pgbouncer
     accepts); ``kwargs`` are asyncpg's (``statement_cache_size=0`` for
-    pgbouncer in transaction mode).
+    pgbouncer in transaction mode; ``timeout``, the connect timeout in seconds,
+    default :data:`DEFAULT_CONNECT_TIMEOUT`).
     """
     settings = {"application_name": "dedup"}
     settings.update(kwargs.pop("server_settings", {}))
+    kwargs.setdefault("timeout", DEFAULT_CONNECT_TIMEOUT)
     try:
         return await asyncpg.create_pool(
             conninfo.to_url(dsn),
@@ -72,7 +81,7 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwarg
             **kwargs,
         )
     except CONNECT_ERRORS as exc:
-        raise connect_error(dsn, exc) from exc
+        raise connect_error(dsn, exc, timeout=kwargs["timeout"]) from exc
 
 
 def require_one(dsn: str | None, pool: Any) -> None:
@@ -82,14 +91,17 @@ def require_one(dsn: str | None, pool: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def connection(target: Any) -> AsyncIterator[asyncpg.Connection]:
+async def connection(
+    target: Any, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+) -> AsyncIterator[asyncpg.Connection]:
     """A connection from a DSN (opened and closed here), a pool, or the connection given.
 
     A DSN gets a connection without a statement cache (each statement runs
-    once anyway), so it works through a pooler in transaction mode too.
+    once anyway), so it works through a pooler in transaction mode too;
+    ``connect_timeout`` is how many seconds it may take to open.
     """
     if isinstance(target, str):
-        conn = await connect(target, statement_cache_size=0)
+        conn = await connect(target, statement_cache_size=0, timeout=connect_timeout)
         try:
             yield conn
         finally:
@@ -117,10 +129,11 @@ async def pool_for(dsn: str | None, pool: Any, **options: Any) -> AsyncIterator[
 
 async def connect(dsn: str, **kwargs: Any) -> asyncpg.Connection:
     """One connection (no codecs of dedup's), or the same errors as :func:`create_pool`."""
+    kwargs.setdefault("timeout", DEFAULT_CONNECT_TIMEOUT)
     try:
         return await asyncpg.connect(conninfo.to_url(dsn), **kwargs)
     except CONNECT_ERRORS as exc:
-        raise connect_error(dsn, exc) from exc
+        raise connect_error(dsn, exc, timeout=kwargs["timeout"]) from exc
 
 
 def check_pool_options(options: Mapping[str, Any] | None, *, pool: Any) -> dict[str, Any]:
@@ -181,14 +194,26 @@ CONNECT_ERRORS = (TimeoutError, OSError, ValueError, asyncpg.PostgresError, asyn
 """What opening a connection can raise: unreachable, refused, or a DSN asyncpg cannot read."""
 
 
-def connect_error(dsn: str, exc: BaseException) -> errors.DedupError:
+def connect_error(
+    dsn: str, exc: BaseException, *, timeout: float = DEFAULT_CONNECT_TIMEOUT
+) -> errors.DedupError:
     """The error to raise when connecting with ``dsn`` failed with ``exc``; no secret in it.
 
     A DSN that cannot be read, a failed authentication or a database that
     does not exist is a :class:`~dedup.ConfigurationError`; anything
     else (refused, unknown host, timeout) a :class:`~dedup.ServiceUnavailableError`.
+    A timeout names the server that did not answer and the setting that
+    bounds the wait (``timeout``, in seconds).
     """
     shown = describe_dsn(dsn)
+    if isinstance(exc, TimeoutError):
+        # The server took the TCP connection (or the SYN went nowhere) and never
+        # answered: starting local services is not the likely fix.
+        return errors.ServiceUnavailableError(
+            f"Postgres at {conninfo.address(dsn)} did not answer within {timeout:g} s "
+            f"(the connect timeout: --connect-timeout or DEDUP_CONNECT_TIMEOUT for the "
+            f"dedup commands, pool_options={{'timeout': seconds}} for the library)"
+        )
     reason = conninfo.scrub(str(exc) or type(exc).__name__, dsn)
     if isinstance(exc, ValueError):
         return errors.ConfigurationError(

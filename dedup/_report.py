@@ -7,12 +7,19 @@ command prints one, and both formats are made from it, so they always agree.
 JSON encoding, the same for every command (documented in docs/reference/cli.md):
 times are ISO 8601 in UTC with microseconds (``2026-11-30T10:00:00.123456+00:00``), hashes are
 lowercase hex, message bytes (Kafka key, value, header values) are base64.
+
+Keys, header names, topics, errors and holders come from producers and
+handlers, so nothing printed may carry a control character to the terminal
+(a producer could retitle it, clear it or forge lines).  :func:`escape` is the
+one place that makes text safe: tables escape every cell and line with it, and
+JSON escapes DEL and the C1 characters (``\\u009b``) that orjson leaves raw.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +28,37 @@ import orjson
 
 DEFAULT_LIMIT = 1000
 """Most rows per list, unless a command's ``--limit`` says otherwise."""
+MAX_LIMIT = 1_000_000
+"""The largest ``--limit``: every row is held in memory and printed as one document."""
 
 # Cells wider than this are cut in tables (JSON always has the whole value).
 MAX_CELL = 60
+
+
+# C0 (incl. ESC, BEL, CR, LF, TAB), DEL and C1 (incl. CSI, U+009B): what a
+# terminal may act on instead of showing.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+# What JSON may still carry raw: orjson escapes C0 itself.
+_JSON_RAW_CONTROL = re.compile("[\x7f-\x9f]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match[0]
+    return _SHORT_ESCAPES.get(char) or f"\\x{ord(char):02x}"
+
+
+def escape(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``, ``\\r``, ``\\x9b``).
+
+    For everything the commands print to a terminal.  Backslashes are left as
+    they are, so a key copied from a table can be looked up again.
+    """
+    return _CONTROL.sub(_escaped, text)
+
+
+def _json_escaped(match: re.Match[str]) -> str:
+    return f"\\u{ord(match[0]):04x}"
 
 
 def hex_bytes(value: bytes | None) -> str | None:
@@ -158,7 +193,10 @@ class Report:
         if lists:
             doc["found"] = self.found
             doc["truncated"] = self.truncated
-        return orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+        # Outside strings a document is ASCII, so these are inside strings,
+        # where \u007f...\u009f reads back as the same character.
+        return _JSON_RAW_CONTROL.sub(_json_escaped, text)
 
     def to_table(self) -> str:
         """The report as aligned tables, one per non-empty section."""
@@ -177,7 +215,10 @@ class Report:
         elif self.truncated:
             parts.append("(more rows match: raise --limit or narrow the query)")
         text = "\n\n".join(parts)
-        return f"{self.heading}\n{text}" if self.heading else text
+        text = f"{self.heading}\n{text}" if self.heading else text
+        # Cells are escaped already; the heading and the nothing-found line
+        # quote what was asked, which may have been pasted from a message.
+        return "\n".join(escape(line) for line in text.split("\n"))
 
     def render(self, fmt: str) -> str:
         """The report in ``fmt`` (``table`` or ``json``)."""
@@ -196,7 +237,7 @@ def cell(value: Any, *, width: int | None = MAX_CELL) -> str:
         text = orjson.dumps(value).decode()
     else:
         text = str(value)
-    text = text.replace("\n", " ")
+    text = escape(text)
     if width is not None and len(text) > width:
         text = text[: width - 3] + "..."
     return text

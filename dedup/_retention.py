@@ -58,7 +58,13 @@ from dedup import _timespec as timespec
 log = logging.getLogger("dedup.retention")
 
 DEFAULT_BATCH_SIZE = 5000
+MAX_BATCH_SIZE = 1_000_000
+"""The largest ``batch_size``: a batch is one transaction holding its rows' locks,
+meant to be short; a million rows is already seconds of locks."""
 DEFAULT_PAUSE = 0.05
+MAX_PAUSE = 3600.0
+"""The longest ``pause`` in seconds: an hour between batches is already a purge
+that takes days; longer is a typo."""
 BATCH_LOCK_TIMEOUT = "2s"
 BATCH_SETTINGS = {"lock_timeout": BATCH_LOCK_TIMEOUT}
 """Each DELETE batch is a transaction of its own with these settings (``SET LOCAL``)."""
@@ -128,6 +134,8 @@ class PurgeResult:
     """Events older than this went (None: events kept)."""
     dry_run: bool
     """Nothing was deleted: the counts are what would be."""
+    forced: bool = False
+    """The cutoff was not before the database's ``now()`` and ``force`` let it run."""
     processed: int = 0
     """Keys deleted."""
     dead_letters: int = 0
@@ -164,6 +172,8 @@ class PurgeResult:
                 f"{self.ranges_resummarized} summarized afresh, "
                 f"{self.ranges_not_resummarized} left as they were"
             )
+        if self.forced:
+            lines["forced"] = "yes: the cutoff is not in the past"
         lines["seconds"] = round(self.seconds, 3)
         return report.Report(
             query=self.query,
@@ -172,6 +182,7 @@ class PurgeResult:
                 "cutoff": report.utc(self.cutoff),
                 "events_cutoff": report.utc(self.events_cutoff),
                 "dry_run": self.dry_run,
+                "forced": self.forced,
                 "purged": {
                     "processed": self.processed,
                     "dead_letters": self.dead_letters,
@@ -348,24 +359,42 @@ async def purge(
     batch_size: int = DEFAULT_BATCH_SIZE,
     pause: float = DEFAULT_PAUSE,
     dry_run: bool = False,
+    force: bool = False,
 ) -> PurgeResult:
     """Delete keys (and replayed dead letters, and events if asked) older than the window.
 
     Give exactly one of ``older_than`` (counted back from the database's
     ``now()``) and ``before`` (an absolute cutoff).  ``conn`` must not be in a
     transaction: each batch commits on its own.
+
+    A ``before`` that is not in the past by the database clock is refused
+    unless ``force``: it would forget every key, so any redelivery would be
+    applied again.
     """
     if (older_than is None) == (before is None):
         raise errors.ConfigurationError("give one of --older-than DURATION and --before TIME")
-    if batch_size < 1:
-        raise errors.ConfigurationError(f"--batch-size {batch_size}: must be at least 1")
-    if pause < 0:
-        raise errors.ConfigurationError(f"--pause {pause}: must not be negative")
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise errors.ConfigurationError(
+            f"--batch-size {batch_size}: expected an integer from 1 to {MAX_BATCH_SIZE}"
+        )
+    if not 0 <= pause <= MAX_PAUSE:
+        raise errors.ConfigurationError(
+            f"--pause {pause}: expected seconds from 0 to {MAX_PAUSE:g}"
+        )
     queries = sql.Queries(schema)
     now = await queries.database_now.fetchval(conn)
     cutoff = before if before is not None else now - older_than
+    # Judged by the database clock, as the keys' times are; a machine whose clock
+    # runs behind must not make a cutoff look past.
+    forced = cutoff >= now
+    if forced and not force:
+        raise errors.ConfigurationError(
+            f"--before {report.utc(cutoff)} is not in the past (the database's now() is "
+            f"{report.utc(now)}): it would purge every key, so any redelivery would be "
+            "applied again; pass --force to purge anyway"
+        )
     events_cutoff = now - events_older_than if events_older_than is not None else None
-    result = PurgeResult(cutoff=cutoff, events_cutoff=events_cutoff, dry_run=dry_run)
+    result = PurgeResult(cutoff=cutoff, events_cutoff=events_cutoff, dry_run=dry_run, forced=forced)
     result.query = {
         "older_than": timespec.format_duration(older_than),
         "before": report.utc(before),
@@ -373,6 +402,7 @@ async def purge(
         "batch_size": batch_size,
         "pause": pause,
         "dry_run": dry_run,
+        "force": force,
     }
     await _check_privileges(conn, queries, events=events_cutoff is not None)
     started = time.monotonic()

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from dedup import _report as report
 from dedup import _sql as sql
 from dedup import _task_run as task_run
 from dedup import _tasks as tasks
@@ -67,16 +68,22 @@ async def run_task(
             outcome = await runner.run(task, key, job, lease_ttl=lease_ttl, force=force)
     except asyncio.CancelledError:
         current.uncancel()
-        print(f"{prog}: interrupted; task {task} key {key} marked failed", file=sys.stderr)
+        print(
+            report.escape(f"{prog}: interrupted; task {task} key {key} marked failed"),
+            file=sys.stderr,
+        )
         return EXIT_CODES["failed"]
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
     forced = ", forced" if outcome.forced else ""
+    # The key, the holder and the job's error are anyone's text: escaped.
     print(
-        f"task {outcome.task} key {outcome.business_key}: {outcome.status} "
-        f"(token {outcome.token}, attempt {outcome.attempts}, holder {outcome.holder}{forced})"
+        report.escape(
+            f"task {outcome.task} key {outcome.business_key}: {outcome.status} "
+            f"(token {outcome.token}, attempt {outcome.attempts}, holder {outcome.holder}{forced})"
+        )
     )
     if outcome.error:
-        print(f"{prog}: {outcome.error}", file=sys.stderr)
+        print(report.escape(f"{prog}: {outcome.error}"), file=sys.stderr)
     return EXIT_CODES[outcome.status]

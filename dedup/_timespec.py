@@ -16,7 +16,13 @@ import datetime
 import re
 
 _PART = re.compile(r"(\d+)([smhd])")
+_DURATION = re.compile(r"(?:\d+[smhd])+")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+MAX_DURATION = datetime.timedelta(days=36500)
+"""The longest duration accepted (100 years): longer than any retention or audit
+window, so a longer one is a typo; and far from where ``now()`` minus it would
+leave the dates Python and Postgres hold (year 1)."""
 
 TimeSpec = datetime.datetime | datetime.timedelta
 """An absolute time, or a duration before the database's ``now()``."""
@@ -30,11 +36,18 @@ def parse_duration(text: str) -> datetime.timedelta:
         raise ValueError(
             f"invalid duration {text!r}: use a number and a unit s, m, h or d (30d, 12h, 1d12h)"
         )
-    total = datetime.timedelta()
-    for number, unit in parts:
-        total += datetime.timedelta(**{_UNITS[unit]: int(number)})
-    if total <= datetime.timedelta():
-        raise ValueError(f"invalid duration {text!r}: it must be longer than zero")
+    try:
+        total = sum(
+            (datetime.timedelta(**{_UNITS[unit]: int(number)}) for number, unit in parts),
+            datetime.timedelta(),
+        )
+    except OverflowError:
+        total = MAX_DURATION + datetime.timedelta(days=1)
+    if not datetime.timedelta() < total <= MAX_DURATION:
+        raise ValueError(
+            f"invalid duration {text!r}: expected more than 0s and at most "
+            f"{format_duration(MAX_DURATION)}"
+        )
     return total
 
 
@@ -54,10 +67,8 @@ def format_duration(value: datetime.timedelta | None) -> str | None:
 def parse_time(text: str) -> TimeSpec:
     """An ISO 8601 date or date-time (UTC unless it says otherwise), or a duration ago."""
     spec = text.strip()
-    try:
-        return parse_duration(spec)
-    except ValueError:
-        pass
+    if _DURATION.fullmatch(spec.lower()):
+        return parse_duration(spec)  # its own error names the allowed range
     try:
         value = datetime.datetime.fromisoformat(spec)
     except ValueError:
@@ -67,6 +78,11 @@ def parse_time(text: str) -> TimeSpec:
         ) from None
     if value.tzinfo is None:
         value = value.replace(tzinfo=datetime.UTC)
+    try:
+        value.astimezone(datetime.UTC)
+    except OverflowError:
+        # 9999-12-31T23:00-02:00 is past the last date a datetime holds in UTC.
+        raise ValueError(f"invalid time {text!r}: outside the years 1 to 9999 in UTC") from None
     return value
 
 
