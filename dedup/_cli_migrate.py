@@ -23,24 +23,35 @@ async def _migrate(args: argparse.Namespace) -> int:
     or a role that may not migrate.
     """
     sql.quote(args.schema)  # a bad name is bad usage, found before connecting
+    roles = migrations.Roles(args.runtime_role, args.audit_role)
+    if roles != migrations.Roles() and args.status:
+        raise errors.ConfigurationError("--runtime-role and --audit-role go with migrate or --sql")
     if args.all and not args.sql:
         raise errors.ConfigurationError("--all goes with --sql")
     if args.format != "table" and not args.status:
         raise errors.ConfigurationError("--format goes with --status")
     if args.sql and args.all:
         found = migrations.discover(sql.migrations_dir())
-        print(migrations.script(found, schema=args.schema), end="")
+        print(migrations.script(found, schema=args.schema, roles=roles), end="")
         return common.EXIT_OK
     async with db.connection(common.dsn(args), connect_timeout=args.connect_timeout) as conn:
         if args.sql:
             found = await migrations.pending(conn, schema=args.schema)
-            print(migrations.script(found, schema=args.schema), end="")
+            print(migrations.script(found, schema=args.schema, roles=roles), end="")
             return common.EXIT_OK
         if args.status:
             return _status(await migrations.status(conn, schema=args.schema), args)
-        applied = await migrations.migrate(conn, schema=args.schema)
+        applied = await migrations.migrate(
+            conn, schema=args.schema, runtime_role=args.runtime_role, audit_role=args.audit_role
+        )
+        granted = await migrations.roles(conn, schema=args.schema) if applied else None
     for name in applied:
         print(f"applied {name}")
+    if granted is not None:
+        print(
+            f"schema {args.schema}: its tables are granted to runtime role {granted.runtime} "
+            f"and audit role {granted.audit}"
+        )
     print(f"schema {args.schema} is up to date ({len(applied)} applied now)")
     return common.EXIT_OK
 
@@ -86,6 +97,17 @@ def add_migrate(sub: Any) -> None:
         "--all",
         action="store_true",
         help="with --sql: every migration, for an empty schema; needs no database",
+    )
+    p.add_argument(
+        "--runtime-role",
+        metavar="ROLE",
+        help="the group role the schema's tables are granted to for consumers and task "
+        "runners (created if missing; default DATABASE_SCHEMA_runtime); fixed once migrated",
+    )
+    p.add_argument(
+        "--audit-role",
+        metavar="ROLE",
+        help="the read-only group role of the schema (default DATABASE_SCHEMA_audit)",
     )
     p.add_argument(
         "--format",

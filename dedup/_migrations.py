@@ -7,6 +7,10 @@ its tables).  Two processes migrating at once serialize on the lock; the second
 finds nothing left to do, and changes nothing (no DDL runs when nothing is
 pending, so a role without DDL rights may run it on an up-to-date schema).
 
+Migration 0004 grants dedup's tables to a runtime and an audit group role of
+the schema's own (:class:`Roles`: named by the operator, or derived from the
+database and schema names), recorded in ``{schema}.roles``.
+
 For other migration tools (alembic, flyway) :func:`script` renders the same
 statements as one SQL text, bookkeeping included; :func:`status` tells what is
 applied; :func:`check` is what the library runs at start: it refuses a schema
@@ -40,6 +44,50 @@ PENDING = "pending"
 NEWER = "newer"
 """Status of a recorded dedup migration this dedup does not ship (a newer release applied it)."""
 
+ROLE_REFUSED: str = "DD001"  # a SQLSTATE, not an environment variable
+"""SQLSTATE the roles migration raises for a role it will not grant (0004_schema_roles.sql)."""
+_ROLE_NAME_BYTES = 63
+"""Postgres' longest role name (NAMEDATALEN - 1); it cuts longer ones without a word."""
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The group roles a schema's tables are granted to (migration 0004).
+
+    None is the default, ``<database>_<schema>_runtime`` and
+    ``<database>_<schema>_audit``, which the SQL derives where it runs, so
+    ``dedup migrate --sql`` prints one text for every database.
+    """
+
+    runtime: str | None = None
+    """Consumers, task runners, replay and purge: rows of every table, no DDL."""
+    audit: str | None = None
+    """``dedup audit``, ``events``, ``dead-letters list|show``: SELECT only."""
+
+    def __post_init__(self) -> None:
+        for purpose, name in (("runtime", self.runtime), ("audit", self.audit)):
+            if name is not None:
+                _check_role_name(purpose, name)
+        if self.runtime is not None and self.runtime == self.audit:
+            raise errors.ConfigurationError(
+                f"runtime_role and audit_role are both {self.runtime!r}: give them two names"
+            )
+
+    def render(self, text: str) -> str:
+        """``text`` with ``{runtime_role}`` and ``{audit_role}`` as string literals (or NULL)."""
+        for placeholder, name in (("{runtime_role}", self.runtime), ("{audit_role}", self.audit)):
+            text = text.replace(placeholder, "NULL" if name is None else _literal(name))
+        return text
+
+
+def _check_role_name(purpose: str, name: str) -> None:
+    """A plain identifier of at most 63 bytes, as for the schema: no quoting surprises."""
+    if not sql.plain_identifier(name):
+        raise errors.ConfigurationError(
+            f"invalid {purpose} role name {name!r}: use lowercase letters, digits and '_' "
+            f"(at most {_ROLE_NAME_BYTES}, not starting with a digit)"
+        )
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -52,9 +100,9 @@ class Migration:
     path: Path
     """Where the SQL is."""
 
-    def sql(self, schema: str) -> str:
-        """The file's SQL for ``schema``."""
-        return sql.render(self.path.read_text(encoding="utf-8"), schema)
+    def sql(self, schema: str, roles: Roles | None = None) -> str:
+        """The file's SQL for ``schema``, granting to ``roles`` (default: the derived names)."""
+        return (roles or Roles()).render(sql.render(self.path.read_text(encoding="utf-8"), schema))
 
 
 @dataclass(frozen=True)
@@ -93,24 +141,36 @@ async def migrate(
     schema: str = sql.DEFAULT_SCHEMA,
     directory: Path | None = None,
     component: str = "dedup",
+    runtime_role: str | None = None,
+    audit_role: str | None = None,
 ) -> list[str]:
     """Bring the schema up to date; return the names of the migrations applied now.
 
     ``dsn_or_pool`` is a DSN string, an asyncpg pool or an asyncpg connection.
-    A role that may not make the changes gets a ConfigurationError naming the
-    role and what it needs.
+    ``runtime_role`` and ``audit_role`` name the group roles the schema's
+    tables are granted to (created if missing; default
+    ``<database>_<schema>_runtime`` and ``<database>_<schema>_audit``); a
+    schema keeps the roles it was first migrated with, and naming others
+    later is a ConfigurationError.  So is a role that already has privileges
+    in another database or on another dedup schema, and a role that may not
+    make the changes (the message names the role and what it needs).
     """
     queries = sql.Queries(schema)  # fails fast, before connecting, on a bad name
+    roles = Roles(runtime_role, audit_role)
     shipped = discover(directory or sql.migrations_dir())
     async with db.connection(dsn_or_pool) as conn:
         try:
-            return await _apply(conn, queries, shipped, component)
+            return await _apply(conn, queries, shipped, component, roles)
         except asyncpg.InsufficientPrivilegeError as exc:
             raise await _privilege_error(conn, queries, exc) from exc
 
 
 async def _apply(
-    conn: asyncpg.Connection, queries: sql.Queries, shipped: list[Migration], component: str
+    conn: asyncpg.Connection,
+    queries: sql.Queries,
+    shipped: list[Migration],
+    component: str,
+    roles: Roles,
 ) -> list[str]:
     applied_now = []
     async with conn.transaction():
@@ -119,15 +179,20 @@ async def _apply(
         done = {row["version"] for row in rows if row["component"] == component}
         pending = [m for m in shipped if m.version not in done]
         if not pending:
+            await _check_roles(conn, queries, roles)
             return []
         await queries.migration_create_schema.execute(conn)
         await queries.migration_create_table.execute(conn)
         for migration in pending:
             try:
-                await conn.execute(migration.sql(queries.schema))
+                await conn.execute(migration.sql(queries.schema, roles))
             except asyncpg.InsufficientPrivilegeError:
                 raise
             except asyncpg.PostgresError as exc:
+                if exc.sqlstate == ROLE_REFUSED:
+                    raise errors.ConfigurationError(
+                        f"schema {sql.quote(queries.schema)}: {exc}"
+                    ) from exc
                 raise errors.MigrationError(
                     f"migration {migration.path.name} ({component}) failed: {exc}"
                 ) from exc
@@ -137,6 +202,30 @@ async def _apply(
             log.info("applied migration %s/%s", component, migration.path.name)
             applied_now.append(f"{component}/{migration.path.name}")
     return applied_now
+
+
+async def roles(target: Any, *, schema: str = sql.DEFAULT_SCHEMA) -> Roles:
+    """The group roles ``schema``'s tables are granted to; ``Roles()`` before migration 0004."""
+    queries = sql.Queries(schema)
+    async with db.connection(target) as conn:
+        if await queries.migration_roles_table.fetchval(conn) is None:
+            return Roles()
+        found = {r["purpose"]: r["role_name"] for r in await queries.migration_roles.fetch(conn)}
+    return Roles(found.get("runtime"), found.get("audit"))
+
+
+async def _check_roles(conn: asyncpg.Connection, queries: sql.Queries, roles: Roles) -> None:
+    """Refuse role names other than those the schema was granted to (nothing would change)."""
+    if roles == Roles() or await queries.migration_roles_table.fetchval(conn) is None:
+        return
+    recorded = {r["purpose"]: r["role_name"] for r in await queries.migration_roles.fetch(conn)}
+    for purpose, wanted in (("runtime", roles.runtime), ("audit", roles.audit)):
+        if wanted is not None and recorded.get(purpose) not in (None, wanted):
+            raise errors.ConfigurationError(
+                f"the {purpose} role of schema {sql.quote(queries.schema)} is "
+                f'"{recorded[purpose]}" (since it was migrated), not "{wanted}": grant it to '
+                f'the login instead (GRANT "{recorded[purpose]}" TO ...)'
+            )
 
 
 async def _applied(conn: Any, queries: sql.Queries) -> list[asyncpg.Record]:
@@ -152,7 +241,7 @@ async def status(
 ) -> list[Status]:
     """Every migration of the schema and every one this dedup ships, applied or not.
 
-    Read-only: a role granted ``dedup_audit`` may ask.  Rows of other
+    Read-only: a role granted the schema's audit role may ask.  Rows of other
     components (the bundled services) are listed as applied; dedup's own
     are applied, pending or newer (applied, not shipped here).
     """
@@ -164,8 +253,8 @@ async def status(
         except asyncpg.InsufficientPrivilegeError as exc:
             raise errors.ConfigurationError(
                 f"{await _role(conn, queries)} may not read {sql.quote(schema)}.migrations "
-                f"({exc}): connect as a role granted dedup_runtime or dedup_audit "
-                "(docs/howto/audit-and-purge.md), or as the schema's owner"
+                f"({exc}): connect as a role granted the schema's runtime or audit role "
+                "(docs/howto/audit-and-purge.md#4-least-privilege), or as the schema's owner"
             ) from exc
     component = "dedup"
     known = {m.version for m in shipped}
@@ -214,12 +303,14 @@ def script(
     *,
     schema: str = sql.DEFAULT_SCHEMA,
     component: str = "dedup",
+    roles: Roles | None = None,
 ) -> str:
     """The SQL that applies ``migrations`` to ``schema`` the way :func:`migrate` does.
 
     The same statements in the same order, each migration recorded in
     ``{schema}.migrations``, under the same advisory lock; meant to run in one
-    transaction (``psql -1``, or a migration of alembic or flyway).
+    transaction (``psql -1``, or a migration of alembic or flyway).  Default
+    role names are derived where the text runs, from its database.
     """
     queries = sql.Queries(schema)
     quoted = sql.quote(schema)
@@ -247,7 +338,8 @@ def script(
     for m in migrations:
         # Text for a person or a tool to run: the values go in as literals, quoted.
         inserted = _inline(record, component=component, version=m.version, name=m.name)
-        parts.append(f"-- {component}/{m.path.name}\n{m.sql(schema).strip()}\n\n{inserted};")
+        text = m.sql(schema, roles).strip()
+        parts.append(f"-- {component}/{m.path.name}\n{text}\n\n{inserted};")
     return "\n\n".join(parts) + "\n"
 
 

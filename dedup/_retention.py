@@ -340,12 +340,12 @@ async def _check_privileges(
     if not (may["processed"] and may["dead_letters"]):
         raise errors.ConfigurationError(
             "permission denied: this role may not delete from processed and dead_letters; "
-            "run purge as a role granted dedup_runtime, or as the owner"
+            "run purge as a role granted the schema's runtime role, or as the owner"
         )
     if events and not may["events"]:
         raise errors.ConfigurationError(
             "--events-older-than: this role may not delete events (they are append-only for "
-            "dedup_runtime); run the events purge as the schema owner"
+            "the schema's runtime role); run the events purge as the schema owner"
         )
 
 

@@ -45,9 +45,14 @@ _OPERATION = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|MERGE|LOCK|CREATE)\b")
 _TABLE = re.compile(r"\{schema\}\.(\w+)")
 
 
+def plain_identifier(name: object) -> bool:
+    """Whether ``name`` is lowercase letters, digits and '_' (at most 63), not led by a digit."""
+    return isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None
+
+
 def quote(schema: str) -> str:
     """Return ``schema`` quoted for SQL, after checking it is a plain identifier."""
-    if not isinstance(schema, str) or not _IDENTIFIER.fullmatch(schema):
+    if not plain_identifier(schema):
         raise errors.ConfigurationError(
             f"invalid schema name {schema!r}: use lowercase letters, digits and '_' "
             "(at most 63, not starting with a digit)"

@@ -41,6 +41,26 @@ async def create(admin_dsn: str, name: str, *, template: str | None = None) -> s
     return services.with_database(admin_dsn, name)
 
 
+# The roles `dedup migrate` named after a database (<database>_<schema>_runtime, _audit)
+# belong to the cluster: they outlive it unless dropped with it.  One still granted in
+# another database (a clone's) stays, and goes with the last of them.
+_DROP_DERIVED_ROLES = """
+DO $drop$ DECLARE found text; BEGIN
+    FOR found IN SELECT rolname FROM pg_roles WHERE NOT rolcanlogin
+        AND starts_with(rolname, '{name}_') AND rolname ~ '_(runtime|audit)$' LOOP
+        BEGIN
+            EXECUTE format('DROP ROLE %I', found);
+        EXCEPTION WHEN dependent_objects_still_exist THEN
+            NULL;
+        END;
+    END LOOP;
+END $drop$"""
+
+
 async def drop(admin_dsn: str, *names: str) -> None:
-    """Drop the databases ``names`` (closing any session still on them)."""
-    await execute(admin_dsn, *(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in names))
+    """Drop the databases ``names`` (closing any session still on them), and their roles."""
+    await execute(
+        admin_dsn,
+        *(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in names),
+        *(_DROP_DERIVED_ROLES.format(name=name) for name in names),
+    )

@@ -12,7 +12,8 @@ a transaction that is rolled back (it creates cluster-wide roles); a ``cron``
 block's commands run the way cron runs them.  A block of any other kind fails
 the test, so nothing is added to the pages without a run here.  The sections on
 ``dedup offsets`` (a story with a running consumer) and ``dedup migrate`` (an
-empty database) are run by test_docs_offsets.py and test_docs_migrate.py.
+empty database) are run by test_docs_offsets.py and test_docs_migrate.py, the audit
+page's on least privilege (cluster-wide roles, made for real) by test_roles.py.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def blocks(page: Path) -> list[tuple[str, str]]:
     if page == CLI_PAGE:
         for own_story in (docs_support.CLI_OFFSETS, docs_support.CLI_MIGRATE):
             text = docs_support.outside(text, own_story)
+    if page == AUDIT_PAGE:
+        text = docs_support.outside(text, docs_support.AUDIT_ROLES)
     return docs_support.checked_snippets(page.name, text)
 
 

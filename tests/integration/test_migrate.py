@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 import dedup
+from dedup import _migrations as dedup_migrations
 from tests.conftest import LoginAs, NewDatabase
 
 
@@ -90,11 +91,18 @@ CATALOG = {
 
 
 async def catalog(dsn: str, schema_name: str) -> dict[str, list[tuple[str, ...]]]:
-    """What Postgres' catalogs say of the schema: tables, columns, indexes, grants..."""
+    """What Postgres' catalogs say of the schema: tables, columns, indexes, grants...
+
+    The database's name, which the default role names carry, reads ``<database>``.
+    """
+    database = urlsplit(dsn).path[1:]
     conn = await asyncpg.connect(dsn)
     try:
         found = {
-            what: sorted(tuple(row) for row in await conn.fetch(query, schema_name))
+            what: sorted(
+                tuple(value.replace(database, "<database>") for value in row)
+                for row in await conn.fetch(query, schema_name)
+            )
             for what, query in CATALOG.items()
         }
         found["migrations"] = [
@@ -161,7 +169,7 @@ async def test_sql_all_applied_with_psql_gives_what_migrate_gives(
 
 
 async def test_status_and_sql_show_what_is_applied_pending_and_newer(dsn: str, pool: Any) -> None:
-    await pool.execute("DELETE FROM dedup.migrations WHERE version = 3")
+    await pool.execute("DELETE FROM dedup.migrations WHERE version = 4")
     await pool.execute("INSERT INTO dedup.migrations VALUES ('dedup', 9999, 'from_the_future')")
     await pool.execute("INSERT INTO dedup.migrations VALUES ('payments', 1, 'ledger')")
 
@@ -171,21 +179,22 @@ async def test_status_and_sql_show_what_is_applied_pending_and_newer(dsn: str, p
     assert [(r["component"], r["version"], r["name"], r["status"]) for r in rows] == [
         ("dedup", 1, "core", "applied"),
         ("dedup", 2, "tasks", "applied"),
-        ("dedup", 3, "roles", "pending"),
+        ("dedup", 3, "roles", "applied"),
+        ("dedup", 4, "schema_roles", "pending"),
         ("dedup", 9999, "from_the_future", "newer"),
         ("payments", 1, "ledger", "applied"),
     ]
-    assert rows[2]["applied_at"] is None and rows[0]["applied_at"].endswith("+00:00")
+    assert rows[3]["applied_at"] is None and rows[0]["applied_at"].endswith("+00:00")
     table = dedup_cli("migrate", "--dsn", dsn, "--status")
-    assert "dedup      3        roles            pending  -" in table.stdout
+    assert "dedup      4        schema_roles     pending  -" in table.stdout
     assert table.stdout.endswith(
         "\n1 pending: run `dedup migrate` (or apply `dedup migrate --sql`)\n"
     )
 
     pending = dedup_cli("migrate", "--dsn", dsn, "--sql")
     assert pending.returncode == 0, pending.stderr
-    assert "-- dedup/0003_roles.sql" in pending.stdout
-    assert "0001_core" not in pending.stdout and "0002_tasks" not in pending.stdout
+    assert "-- dedup/0004_schema_roles.sql" in pending.stdout
+    assert "0001_core" not in pending.stdout and "0003_roles" not in pending.stdout
     psql(dsn, pending.stdout)
     done = dedup_cli("migrate", "--dsn", dsn, "--status")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -233,7 +242,7 @@ async def _job(run: dedup.TaskRun) -> None:
 async def test_a_role_that_may_not_migrate_is_told_what_it_needs(
     dsn: str, pool: Any, login_as: LoginAs
 ) -> None:
-    reader = await login_as("dedup_audit")
+    reader = await login_as((await dedup_migrations.roles(pool)).audit)
     role = urlsplit(reader).username
     database = urlsplit(dsn).path.lstrip("/")
     # Up to date: nothing to change, so a role without DDL may run it.
@@ -255,6 +264,18 @@ async def test_a_role_that_may_not_migrate_is_told_what_it_needs(
     # itself or with the SQL, without CREATE on the database.
     for name in ("reports", "ledger"):
         await pool.execute(f'CREATE SCHEMA {name} AUTHORIZATION "{role}"')
+    # The schema's roles too: a role without CREATEROLE is told which to ask for.
+    no_roles = dedup_cli("migrate", "--dsn", reader, "--schema", "reports")
+    assert no_roles.returncode == 2
+    assert no_roles.stderr.startswith(
+        f'dedup migrate: schema "reports": role {role} may not create the runtime role '
+        f"{database}_reports_runtime of schema reports (permission denied to create role): "
+        f"a DBA runs CREATE ROLE {database}_reports_runtime NOLOGIN, then `dedup migrate` again"
+    ), no_roles.stderr
+    assert await pool.fetchval("SELECT to_regclass('reports.processed')") is None
+    for name in ("reports", "ledger"):
+        for purpose in ("runtime", "audit"):
+            await pool.execute(f"CREATE ROLE {database}_{name}_{purpose} NOLOGIN")
     assert dedup_cli("migrate", "--dsn", reader, "--schema", "reports").returncode == 0
     psql(reader, dedup_cli("migrate", "--dsn", reader, "--schema", "ledger", "--sql").stdout)
     for name in ("reports", "ledger"):

@@ -1,6 +1,6 @@
 """No password reaches an error, a log line, a span attribute or what the CLI prints.
 
-Each test logs in as a new LOGIN role with a password, granted ``dedup_runtime``.
+Each test logs in as a new LOGIN role with a password, granted the schema's runtime role.
 The password is given in each way libpq users give one: in the URL's user info,
 as ``?password=`` or ``&password=``, in keyword/value pairs, in ``PGPASSWORD``,
 in a ``.pgpass`` file (``PGPASSFILE``).  (The test server trusts local
@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from dedup import _cli as cli
+from dedup import _migrations as migrations
 from dedup_dev import effects as support
 from tests import helpers
 from tests.conftest import LoginAs, Topics
@@ -98,10 +99,12 @@ async def login(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Login:
-    """A new LOGIN role with PASSWORD, granted dedup_runtime; its password in one form."""
-    parts = urllib.parse.urlsplit(await login_as("dedup_runtime", password=PASSWORD))
+    """A new LOGIN role with PASSWORD, granted the schema's runtime role; its password in one
+    form."""
+    runtime = (await migrations.roles(pool)).runtime
+    parts = urllib.parse.urlsplit(await login_as(runtime, password=PASSWORD))
     await pool.execute(support.EFFECTS)
-    await pool.execute("GRANT ALL ON effects, effects_id_seq TO dedup_runtime")
+    await pool.execute(f'GRANT ALL ON effects, effects_id_seq TO "{runtime}"')
     role = parts.username or ""
     pgpass = tmp_path / "pgpass"
     pgpass.write_text(f"*:*:*:{role}:{PASSWORD}\n")

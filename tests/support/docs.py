@@ -20,6 +20,8 @@ CLI_OFFSETS = "## `dedup offsets"
 """The heading of docs/reference/cli.md's section run by test_docs_offsets.py."""
 CLI_MIGRATE = "## `dedup migrate`"
 """The heading of docs/reference/cli.md's section run by test_docs_migrate.py."""
+AUDIT_ROLES = "## 4. Least privilege"
+"""The heading of docs/howto/audit-and-purge.md's section run by test_roles.py (it makes roles)."""
 
 
 def snippets(page: Path) -> list[tuple[str, str]]:

@@ -1,62 +1,17 @@
--- Least privilege: two group roles (NOLOGIN) that people and services are
--- granted, never logged in as.
+-- Superseded by 0004_schema_roles.sql: roles per schema, not per cluster.
 --
---   dedup_runtime  consumers, task runners, replay and purge: read and write the
---                  rows of dedup's tables; no DDL (it owns nothing, has no CREATE
---                  on the schema, no TRUNCATE); events are append-only to it
---                  (INSERT, no UPDATE/DELETE); migrations are read-only to it.
---   dedup_audit    `dedup audit`, `dedup events`, `dedup dead-letters list|show`:
---                  SELECT only.
+-- Through dedup 0.2.0 this migration created the cluster-wide group roles
+-- dedup_runtime and dedup_audit and granted them on every schema it ran in, so
+-- one application's runtime role could read and change every other
+-- application's dedup tables, in every database of the cluster.  It now does
+-- nothing, so a new schema never grants the shared roles; the file stays
+-- because its number is recorded in every schema that applied it.
 --
--- Roles belong to the cluster, not to a database: they are created once, if
--- missing (two databases migrating at once may race to create them, hence the
--- exception handlers), and granted again in every database and schema this
--- migration runs in.  A migrating user that may not create roles gets a
--- warning and the grants are left out; a DBA can create the roles and rerun
--- the GRANTs below.
+-- Schemas that applied the old text keep its grants (0004 does not revoke
+-- them: services logged in through dedup_runtime would lose their tables in
+-- the middle of a rolling upgrade).  docs/howto/audit-and-purge.md, "Moving
+-- off the shared roles", says how to revoke them once every login has its
+-- schema's own role.
 --
--- Tables added by later migrations are covered by the default privileges set
--- here (for tables the migrating role creates).  A later append-only table must
--- REVOKE UPDATE, DELETE from dedup_runtime itself, like events below.
--- tests/integration/test_roles.py checks every table of the schema.
-
-DO $roles$
-DECLARE
-    wanted text;
-BEGIN
-    FOREACH wanted IN ARRAY ARRAY['dedup_runtime', 'dedup_audit'] LOOP
-        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = wanted) THEN
-            BEGIN
-                EXECUTE format('CREATE ROLE %I NOLOGIN', wanted);
-            EXCEPTION
-                WHEN duplicate_object OR unique_violation THEN
-                    NULL;  -- created meanwhile by a migration of another database
-                WHEN insufficient_privilege THEN
-                    RAISE WARNING 'dedup: cannot create role %: %; ask a DBA to run '
-                        'CREATE ROLE % NOLOGIN and then `dedup migrate` again', wanted, SQLERRM, wanted;
-            END;
-        END IF;
-    END LOOP;
-END
-$roles$;
-
-DO $grants$
-BEGIN
-    IF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'dedup_runtime') THEN
-        GRANT USAGE ON SCHEMA {schema} TO dedup_runtime;
-        GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO dedup_runtime;
-        GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {schema} TO dedup_runtime;
-        REVOKE UPDATE, DELETE ON {schema}.events FROM dedup_runtime;
-        REVOKE INSERT, UPDATE, DELETE ON {schema}.migrations FROM dedup_runtime;
-        ALTER DEFAULT PRIVILEGES IN SCHEMA {schema}
-            GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO dedup_runtime;
-        ALTER DEFAULT PRIVILEGES IN SCHEMA {schema}
-            GRANT USAGE, SELECT ON SEQUENCES TO dedup_runtime;
-    END IF;
-    IF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'dedup_audit') THEN
-        GRANT USAGE ON SCHEMA {schema} TO dedup_audit;
-        GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO dedup_audit;
-        ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT SELECT ON TABLES TO dedup_audit;
-    END IF;
-END
-$grants$;
+-- A DO block, so psql prints nothing for it (an empty text is not a statement).
+DO $superseded$ BEGIN END $superseded$;

@@ -52,3 +52,11 @@ SELECT current_user AS role,
        coalesce(pg_has_role(n.nspowner, 'USAGE'), false) AS owns
   FROM (SELECT 1) AS one
   LEFT JOIN pg_catalog.pg_namespace n ON n.nspname = :schema
+
+-- name: migration_roles_table
+-- The roles table (migration 0004), or NULL before it.
+SELECT to_regclass('{schema}.roles')
+
+-- name: migration_roles
+-- The group roles the schema's tables are granted to, by purpose (runtime, audit).
+SELECT purpose, role_name FROM {schema}.roles
