@@ -238,8 +238,9 @@ async def connection(args: argparse.Namespace) -> AsyncIterator[asyncpg.Connecti
         ) from exc
     except asyncpg.InsufficientPrivilegeError as exc:
         raise errors.ConfigurationError(
-            f"{exc}: connect as a role granted dedup_audit (reading) or dedup_runtime "
-            "(replay, purge); see docs/howto/audit-and-purge.md"
+            f"{exc}: connect as a role granted schema {args.schema}'s audit role (reading) or "
+            "its runtime role (replay, purge), as `dedup migrate` printed them; see "
+            "docs/howto/audit-and-purge.md"
         ) from exc
     except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
         raise errors.ServiceUnavailableError(

@@ -181,12 +181,13 @@ async def test_status_and_sql_show_what_is_applied_pending_and_newer(dsn: str, p
         ("dedup", 2, "tasks", "applied"),
         ("dedup", 3, "roles", "applied"),
         ("dedup", 4, "schema_roles", "pending"),
+        ("dedup", 5, "partition_starts", "applied"),
         ("dedup", 9999, "from_the_future", "newer"),
         ("payments", 1, "ledger", "applied"),
     ]
     assert rows[3]["applied_at"] is None and rows[0]["applied_at"].endswith("+00:00")
     table = dedup_cli("migrate", "--dsn", dsn, "--status")
-    assert "dedup      4        schema_roles     pending  -" in table.stdout
+    assert "dedup      4        schema_roles      pending  -" in table.stdout
     assert table.stdout.endswith(
         "\n1 pending: run `dedup migrate` (or apply `dedup migrate --sql`)\n"
     )
