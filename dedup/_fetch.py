@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +66,10 @@ class Fetcher:
                             await self.kafka.getmany(tp, timeout_ms=0, max_records=self.batch_size)
                         )
         except aiokafka.errors.OffsetOutOfRangeError as exc:
-            try:
-                await self.held.out_of_range(exc.args[0])
-            except aiokafka.errors.KafkaError as failed:
-                await self._retry_later(failed)
+            await self._resolving(self.held.out_of_range(exc.args[0]))
         except aiokafka.errors.NoOffsetForPartitionError as exc:
-            out_of_range.reset(self.kafka, exc.args[0], self.offset_reset, self.group_id)
+            reset = out_of_range.reset(self.kafka, exc.args[0], self.offset_reset, self.group_id)
+            await self._resolving(reset)
         except Exception as exc:
             failure = decoding.locate(exc)
             if failure is not None or isinstance(exc, decoding.ERRORS):
@@ -83,6 +81,13 @@ class Fetcher:
                 raise decoding.error(exc, failure, self.group_id, stands_at) from exc
             await self._retry_later(exc)
         return fetched
+
+    async def _resolving(self, step: Awaitable[None]) -> None:
+        """Run ``step``, which asks Kafka where a partition's log lies."""
+        try:
+            await step
+        except aiokafka.errors.KafkaError as exc:
+            await self._retry_later(exc)
 
     async def _retry_later(self, exc: Exception) -> None:
         """Raise ``exc`` unless it is a retriable Kafka error; then wait RETRY_WAIT."""

@@ -45,12 +45,12 @@ def check_reset(value: object) -> None:
         )
 
 
-def reset(kafka: Any, tp: TopicPartition, policy: str, group_id: str) -> None:
+async def reset(kafka: Any, tp: TopicPartition, policy: str, group_id: str) -> None:
     """``tp`` has no offset in Postgres nor in Kafka: start where ``policy`` says."""
     if policy == "earliest":
-        kafka.seek_to_beginning(tp)
+        await kafka.seek_to_beginning(tp)
     elif policy == "latest":
-        kafka.seek_to_end(tp)
+        await kafka.seek_to_end(tp)
     else:
         raise errors.DedupError(
             f"topic {tp.topic!r} partition {tp.partition} has no stored offset and "
@@ -77,12 +77,15 @@ class Owner:
     namespace: str
     holder: str
     tokens: Mapping[TopicPartition, int]
+    held: Mapping[TopicPartition, int]
+    """Partitions held already, beyond their log end at that offset."""
 
 
 async def resolve(kafka: Any, positions: Mapping[TopicPartition, int], owner: Owner) -> Found:
     """Seek what retention passed to the log start; tell what lies beyond the log end."""
     found = Found()
-    tps = [tp for tp in positions if tp in owner.tokens]
+    # A fetch in flight when a partition was held reports it again: known.
+    tps = [tp for tp in positions if tp in owner.tokens and owner.held.get(tp) != positions[tp]]
     if not tps:
         return found
     starts = await kafka.beginning_offsets(tps)

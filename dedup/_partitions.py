@@ -259,9 +259,8 @@ class Partitions:
     async def out_of_range(self, positions: Mapping[TopicPartition, int]) -> None:
         """aiokafka found these fetch positions outside their logs (dedup._out_of_range)."""
         s = self._settings
-        owner = out_of_range.Owner(
-            s.group_id, s.namespace, s.holder, {tp: w.token for tp, w in self.workers.items()}
-        )
+        tokens = {tp: w.token for tp, w in self.workers.items()}
+        owner = out_of_range.Owner(s.group_id, s.namespace, s.holder, tokens, self.beyond_end)
         found = await out_of_range.resolve(self._kafka, positions, owner)
         for tp, offset in found.held.items():
             self._kafka.pause(tp)
