@@ -9,7 +9,9 @@ and what an operator sees: events, the CLI's output, the error's advice.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+from collections import Counter
 from typing import Any
 
 import orjson
@@ -57,6 +59,18 @@ async def applied(pool: Any) -> list[str]:
     return sorted(r["key"] for r in await pool.fetch("SELECT key FROM effects"))
 
 
+async def topic_holding(bootstrap_servers: str, topics: Topics, pool: Any, ids: list[str]) -> str:
+    """A new topic of one partition holding ``ids``, and the ``effects`` table."""
+    topic = await topics.create(partitions=1)
+    await pool.execute(support.EFFECTS)
+    await produce(bootstrap_servers, topic, ids)
+    return topic
+
+
+async def all_applied(pool: Any, ids: list[str], what: str = "every record applied") -> None:
+    await helpers.wait_for(lambda: helpers.equal(applied(pool), sorted(ids)), what=what)
+
+
 async def admin(bootstrap_servers: str) -> AIOKafkaAdminClient:
     client = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await client.start()
@@ -71,14 +85,12 @@ async def events_of(pool: Any, kind: str) -> list[Any]:
 async def test_partitions_added_while_the_group_runs_are_consumed_from_their_start(
     bootstrap_servers: str, topics: Topics, pool: Any
 ) -> None:
-    topic = await topics.create(partitions=1)
-    await pool.execute(support.EFFECTS)
     # Records already in the topic before the group's first start.
     before = [f"p0-{i}" for i in range(10)]
-    await produce(bootstrap_servers, topic, before)
+    topic = await topic_holding(bootstrap_servers, topics, pool, before)
     running = consumer(topic, bootstrap_servers, pool, metadata_max_age_ms=METADATA_MAX_AGE_MS)
     async with support.running(running):
-        await helpers.wait_for(lambda: helpers.equal(applied(pool), sorted(before)))
+        await all_applied(pool, before)
         kafka = await admin(bootstrap_servers)
         try:
             await kafka.create_partitions({topic: NewPartitions(total_count=3)})
@@ -87,23 +99,18 @@ async def test_partitions_added_while_the_group_runs_are_consumed_from_their_sta
         added = [f"p{p}-{i}" for p in (1, 2) for i in range(10)]
         for p in (1, 2):  # at once: before the consumer's first fetch of them
             await produce(bootstrap_servers, topic, [k for k in added if k.startswith(f"p{p}")], p)
-        await helpers.wait_for(
-            lambda: helpers.equal(applied(pool), sorted(before + added)),
-            what="every record of the added partitions applied",
-        )
+        await all_applied(pool, before + added, "every record of the added partitions applied")
 
 
 async def test_records_lost_to_retention_are_recorded_and_the_rest_applied(
     bootstrap_servers: str, topics: Topics, pool: Any
 ) -> None:
-    topic = await topics.create(partitions=1)
-    await pool.execute(support.EFFECTS)
     first = [f"a{i}" for i in range(10)]
-    await produce(bootstrap_servers, topic, first)
+    topic = await topic_holding(bootstrap_servers, topics, pool, first)
     # auto_offset_reset given: the old default (latest) would hide what this test shows.
     stopped = consumer(topic, bootstrap_servers, pool, auto_offset_reset="earliest")
     async with support.running(stopped):
-        await helpers.wait_for(lambda: helpers.equal(applied(pool), sorted(first)))
+        await all_applied(pool, first)
     # While the group is stopped: 20 more, and retention deletes up to offset 20.
     later = [f"b{i}" for i in range(20)]
     await produce(bootstrap_servers, topic, later)
@@ -116,10 +123,7 @@ async def test_records_lost_to_retention_are_recorded_and_the_rest_applied(
     again = consumer(topic, bootstrap_servers, pool, auto_offset_reset="earliest")
     async with support.running(again):
         remaining = later[10:]  # offsets 20 to 29, still in the log
-        await helpers.wait_for(
-            lambda: helpers.equal(applied(pool), sorted(first + remaining)),
-            what="the records still in the log applied",
-        )
+        await all_applied(pool, first + remaining, "the records still in the log applied")
     [(resource, detail)] = await events_of(pool, "offsets_lost_to_retention")
     assert resource == f"g-{topic}:{topic}:0"
     assert (detail["lost_from"], detail["lost_to"], detail["records"]) == (10, 20, 10)
@@ -153,14 +157,12 @@ async def recreate(bootstrap_servers: str, topic: str) -> None:
 async def test_a_recreated_topic_holds_the_partition_naming_the_rewind_and_loses_nothing(
     bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
 ) -> None:
-    topic = await topics.create(partitions=1)
-    group = f"g-{topic}"
-    await pool.execute(support.EFFECTS)
     old = [f"old{i}" for i in range(70)]
-    await produce(bootstrap_servers, topic, old)
+    topic = await topic_holding(bootstrap_servers, topics, pool, old)
+    group = f"g-{topic}"
     first = consumer(topic, bootstrap_servers, pool, auto_offset_reset="earliest")
     async with support.running(first):
-        await helpers.wait_for(lambda: helpers.equal(applied(pool), sorted(old)))
+        await all_applied(pool, old)
     await recreate(bootstrap_servers, topic)
     new = [f"new{i}" for i in range(5)]
     await produce(bootstrap_servers, topic, new)
@@ -196,10 +198,37 @@ async def test_a_recreated_topic_holds_the_partition_naming_the_rewind_and_loses
             "offsets", *argv, "--yes", "--bootstrap-servers", bootstrap_servers, dsn=dsn
         )
         assert done.returncode == 0, done.stderr
-        await helpers.wait_for(
-            lambda: helpers.equal(applied(pool), sorted(old + new)),
-            what="the new log applied after the rewind",
-        )
+        await all_applied(pool, old + new, "the new log applied after the rewind")
+
+
+async def test_a_topic_recreated_under_a_running_consumer_is_held_and_aiokafka_stays_quiet(
+    bootstrap_servers: str, topics: Topics, pool: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = [f"old{i}" for i in range(10)]
+    topic = await topic_holding(bootstrap_servers, topics, pool, old)
+    caplog.set_level(logging.WARNING)
+    running = consumer(
+        topic,
+        bootstrap_servers,
+        pool,
+        auto_offset_reset="earliest",
+        metadata_max_age_ms=METADATA_MAX_AGE_MS,
+    )
+    async with support.running(running):
+        await all_applied(pool, old)
+        await recreate(bootstrap_servers, topic)
+        await produce(bootstrap_servers, topic, ["new0"])
+
+        async def beyond() -> list[Any]:
+            return await events_of(pool, "offsets_beyond_log_end")
+
+        [(_, detail)] = await helpers.wait_for(beyond, what="the partition held")
+    assert (detail["next_offset"], detail["log_end"]) == (10, 1)
+    assert await applied(pool) == sorted(old)
+    # While the topic was gone aiokafka said each thing once (the rate limit passes one line
+    # per message every kafka_logs.INTERVAL s; this test takes less than that).
+    said = Counter((r.name, r.msg) for r in caplog.records if r.name.startswith("aiokafka"))
+    assert said and max(said.values()) == 1, said.most_common(3)
 
 
 class NotUtf8(str):
