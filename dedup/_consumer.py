@@ -2,7 +2,8 @@
 
 The consumer has three jobs, each in one place:
 
-- **assignment and fetching** (this module and :mod:`dedup.partitions`): the
+- **assignment and fetching** (this module, :mod:`dedup._fetch` and
+  :mod:`dedup.partitions`): the
   rebalance listener takes the assigned partitions in Postgres with fresh
   fencing tokens and seeks to the offsets stored there; the fetch loop hands
   each partition's records to its

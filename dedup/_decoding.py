@@ -106,13 +106,19 @@ def error(
         )
     tp = failure.tp
     where = f"topic {tp.topic!r} partition {tp.partition}"
-    skip_to = "AFTER_THE_BATCH"
+    skip_to, first = "AFTER_THE_BATCH", None
     if failure.batch is not None:
         first, after = failure.batch
         where += f" (the batch holds offsets {first} to {after - 1})"
         skip_to = str(after)
-    if stands_at is not None:
+    if stands_at is not None and (first is None or stands_at >= first):
         where += f"; the records before it are applied, the group stands at offset {stands_at}"
+    elif stands_at is not None:
+        # The handlers ran out of shutdown_timeout: a skip now would pass over readable records.
+        where += (
+            f"; the group stands at offset {stands_at}, short of the batch: start the consumer "
+            "again to apply the records before it, then skip"
+        )
     return errors.UndecodableBatchError(
         f"cannot decode a record batch of {where}: {cause}. {remedy} If the batch is corrupt, "
         f"skip it (its records are not applied, the skip is recorded): `dedup offsets skip "
