@@ -25,6 +25,9 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_HANDLER_TIMEOUT = 30.0
 DEFAULT_ISOLATION_LEVEL = "read_committed"
 """Records of aborted transactions are skipped (aiokafka's own default is read_uncommitted)."""
+DEFAULT_AUTO_OFFSET_RESET = "earliest"
+"""Where a partition with no stored offset starts: its log start, so nothing is skipped
+(aiokafka's own default is latest, which skips what the partition already holds)."""
 DEFAULT_KEY = keys.first(keys.header("idempotency-key"), keys.kafka_key())
 """The ``idempotency-key`` header if present, else the Kafka record key."""
 
@@ -102,7 +105,8 @@ class Config:
 
 
 def kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options for aiokafka's consumer: known to aiokafka, no auto-commit, read_committed."""
+    """The options for aiokafka's consumer: known to aiokafka, no auto-commit, read_committed,
+    from the log start."""
     unknown = sorted(set(options) - _AIOKAFKA_OPTIONS)
     if unknown:
         raise errors.ConfigurationError(
@@ -118,6 +122,7 @@ def kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
     # Records of aborted transactions must never be applied: read only what
     # producers committed, unless the caller says otherwise.
     checked.setdefault("isolation_level", DEFAULT_ISOLATION_LEVEL)
+    checked.setdefault("auto_offset_reset", DEFAULT_AUTO_OFFSET_RESET)
     if checked["isolation_level"] not in ("read_committed", "read_uncommitted"):
         raise errors.ConfigurationError(
             f"isolation_level={checked['isolation_level']!r}: expected 'read_committed' "

@@ -2,7 +2,8 @@
 
 The consumer has three jobs, each in one place:
 
-- **assignment and fetching** (this module and :mod:`dedup.partitions`): the
+- **assignment and fetching** (this module, :mod:`dedup._fetch` and
+  :mod:`dedup.partitions`): the
   rebalance listener takes the assigned partitions in Postgres with fresh
   fencing tokens and seeks to the offsets stored there; the fetch loop hands
   each partition's records to its
@@ -46,18 +47,20 @@ from typing import Any
 
 import aiokafka
 import aiokafka.errors
-from aiokafka.structs import TopicPartition
 
 from dedup import _config as config
 from dedup import _db as db
-from dedup import _decoding as decoding
 from dedup import _errors as errors
+from dedup import _fetch as fetch
 from dedup import _kafka_client as kafka_client
+from dedup import _kafka_logs as kafka_logs
 from dedup import _lanes as lanes
 from dedup import _leases as leases
 from dedup import _message as message_
 from dedup import _migrations as migrations
+from dedup import _out_of_range as out_of_range
 from dedup import _partitions as partitions
+from dedup import _rebalance as rebalance
 from dedup import _sql as sql
 from dedup import _store as store
 from dedup import _worker as worker
@@ -80,7 +83,6 @@ STAT_NAMES = (
 
 IDLE_MARGIN = 2.0
 """Seconds the server's idle-in-transaction timeout leaves beyond ``handler_timeout``."""
-FETCH_WAIT_MS = 250
 
 
 class IdempotentConsumer:
@@ -93,19 +95,26 @@ class IdempotentConsumer:
     ``batch=True``, or found from a ``list[...]`` annotation on its first
     parameter).
 
-    Keyword options that aiokafka's consumer knows (``auto_offset_reset``,
-    ``session_timeout_ms``, ``security_protocol``, ``ssl_context``, SASL
-    settings, ...) pass through under aiokafka's names.  Offsets are never
-    auto-committed: Postgres holds them.  ``isolation_level`` defaults to
-    ``"read_committed"``: records of aborted producer transactions are never
-    applied.
+    Keyword options that aiokafka's consumer knows (``session_timeout_ms``,
+    ``security_protocol``, ``ssl_context``, SASL settings, ...) pass through under
+    aiokafka's names.  Offsets are never auto-committed: Postgres holds them.
+    ``isolation_level`` defaults to ``"read_committed"``: records of aborted
+    producer transactions are never applied.  ``auto_offset_reset`` says where a
+    partition that has no offset stored starts: ``"earliest"`` (the default: its
+    log start, nothing skipped), ``"latest"`` (its end: what it already holds is
+    never applied) or ``"none"`` (``run()`` stops, naming it).  A stored offset
+    below the log start (retention deleted unapplied records) resumes at the log
+    start and records the loss (an ``offsets_lost_to_retention`` event); one beyond
+    the log end (a recreated topic) holds that partition until ``dedup offsets
+    rewind`` moves it (an ``offsets_beyond_log_end`` event).
 
     With ``dsn=``, ``pool_options`` go to ``asyncpg.create_pool`` for the pool
     dedup opens, e.g. ``{"statement_cache_size": 0}`` behind pgbouncer in
     transaction mode (docs/operations.md).
 
     A record batch that cannot be decoded stops :meth:`run` with
-    :class:`dedup.UndecodableBatchError`, naming the partition and offset.
+    :class:`dedup.UndecodableBatchError`, naming the partition and the batch, once the
+    readable records fetched before it are applied.
     """
 
     def __init__(
@@ -161,6 +170,7 @@ class IdempotentConsumer:
             kafka_commit_interval=kafka_commit_interval,
         )
         """The settings, checked."""
+        out_of_range.check_reset(self.config.kafka_options["auto_offset_reset"])
         self.handler = handler
         self.holder = self.config.holder
         """This consumer's name with its tokens and events."""
@@ -181,6 +191,7 @@ class IdempotentConsumer:
         self._stopped = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._kafka: Any = None
+        self._fetch: fetch.Fetcher | None = None  # while running
         self._lanes: lanes.Lanes | None = None
 
     @property
@@ -277,11 +288,18 @@ class IdempotentConsumer:
         self._lanes = lanes.Lanes(self._pool, size)
         await migrations.check(self._pool, schema=c.schema)
         settings = await self._worker_settings()
+        kafka_logs.install()
+        options = kafka_client.client_options(c.kafka_options)
+        # aiokafka must say when a position is out of range, not jump silently:
+        # dedup resets where nothing is stored, and records what an offset outside
+        # the log means (dedup._partitions).
+        reset = options.pop("auto_offset_reset", config.DEFAULT_AUTO_OFFSET_RESET)
         self._kafka = aiokafka.AIOKafkaConsumer(
             bootstrap_servers=c.bootstrap_servers,
             group_id=c.group_id,
             enable_auto_commit=False,
-            **kafka_client.client_options(c.kafka_options),
+            auto_offset_reset="none",
+            **options,
         )
         self._partitions = partitions.Partitions(
             self._kafka,
@@ -291,6 +309,15 @@ class IdempotentConsumer:
             commit_interval=c.kafka_commit_interval,
             stopping=self._stopping,
             hurry=self._hurry,
+        )
+        self._fetch = fetch.Fetcher(
+            self._kafka,
+            self._partitions,
+            c.batch_size,
+            c.group_id,
+            reset,
+            self._stopping,
+            self._revoke_grace,
         )
         await self._start_kafka(self._partitions)
         log.info("consumer %s started on %s (group %s)", self.holder, c.topics, c.group_id)
@@ -339,7 +366,7 @@ class IdempotentConsumer:
                 f"topics: {', '.join(map(repr, missing))} not found on {c.bootstrap_servers}; "
                 "create them first"
             )
-        listener = partitions.Listener(held, self._revoke_grace, self._rebalance_failed)
+        listener = rebalance.Listener(held, self._revoke_grace, self._rebalance_failed)
         self._kafka.subscribe(list(c.topics), listener=listener)
 
     async def _shutdown(self) -> None:
@@ -381,14 +408,14 @@ class IdempotentConsumer:
     def _rebalance_failed(self, exc: Exception) -> None:
         if self._failure is None:
             self._failure = exc
-        self._request_stop()  # the fetch loop sees it within FETCH_WAIT_MS and raises the error
+        self._request_stop()  # the fetch loop sees it within FETCH_WAIT_MS and raises it
 
     async def _consume(self) -> None:
-        held = self._partitions
-        assert held is not None  # noqa: S101 - started
+        held, fetch_records = self._partitions, self._fetch
+        assert held is not None and fetch_records is not None  # noqa: S101 - started
         while not self._stopping.is_set():
             await held.check_workers()
-            fetched = await self._fetch(held)
+            fetched = await fetch_records()
             for tp, records in fetched.items():
                 owner = held.workers.get(tp)
                 if owner is not None:  # else revoked or lost since the fetch
@@ -398,36 +425,6 @@ class IdempotentConsumer:
             await held.commit_kafka()
         if self._failure is not None:
             raise self._failure
-
-    async def _fetch(self, held: partitions.Partitions) -> dict[TopicPartition, list[Any]]:
-        ready = held.ready()
-        batch_size = self.config.batch_size
-        try:
-            # Without partitions getmany also runs a rebalance that gives us the first ones.
-            fetched: dict[TopicPartition, list[Any]] = await self._kafka.getmany(
-                *ready, timeout_ms=FETCH_WAIT_MS, max_records=batch_size
-            )
-            # getmany fills max_records from one partition after another; ask each
-            # other ready partition for what the fetcher already holds.
-            if fetched and len(ready) > 1:
-                for tp in ready:
-                    if tp not in fetched and tp in held.workers:
-                        fetched.update(
-                            await self._kafka.getmany(tp, timeout_ms=0, max_records=batch_size)
-                        )
-        except Exception as exc:
-            failure = decoding.locate(exc)
-            if failure is not None or isinstance(exc, decoding.ERRORS):
-                # aiokafka has already moved other partitions past records it
-                # dropped with this error: going on would skip them.
-                raise await decoding.error(exc, failure, self._kafka, self.config.group_id) from exc
-            if not isinstance(exc, aiokafka.errors.KafkaError) or not exc.retriable:
-                raise
-            log.warning("kafka fetch failed, retrying: %r", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), 1.0)
-            return {}
-        return fetched
 
     def _revoke_grace(self) -> float:
         """How long the batches in flight of revoked partitions may take to finish."""

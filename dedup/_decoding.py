@@ -5,15 +5,16 @@ are read out of the box.  A batch can still fail to decode: a codec library
 missing from the environment, corrupt bytes, a header name that is not UTF-8.
 aiokafka then raises from ``getmany`` without saying which partition; the
 frame that was unpacking the batch knows, so the error is located from the
-traceback when it can be.  The consumer stops with an
-:class:`dedup.UndecodableBatchError` that names the partition, its
-fetch position, and what to do.
+traceback when it can be.  The records aiokafka had decoded in that call (the
+readable ones before the bad batch, and other partitions' whose positions it
+had already moved) are taken from the same frames (:func:`salvage`); the
+consumer applies them, then stops with an :class:`dedup.UndecodableBatchError`
+that names the partition, the batch, where the group stands, and what to do.
+Its ``dedup offsets skip`` command then skips only the undecodable batch.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +26,12 @@ from dedup import _errors as errors
 ERRORS = (aiokafka.errors.UnsupportedCodecError, aiokafka.errors.CorruptRecordException)
 """What aiokafka raises for a batch it cannot read, wherever it is raised from."""
 
-POSITION_TIMEOUT = 5.0
 INSTALL = "pip install 'aiokafka[snappy,lz4,zstd]'"
 
-_UNPACKING = "_unpack_records"  # aiokafka.consumer.fetcher.PartitionRecords
+# Frames of aiokafka.consumer.fetcher, and their locals that hold decoded records.
+_UNPACKING = "_unpack_records"  # PartitionRecords: the batch being unpacked
+_DRAINING = "fetched_records"  # Fetcher: ``drained``, other partitions' records
+_GETTING_ALL = "getall"  # FetchResult: ``ret_list``, this partition's records so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +62,36 @@ def locate(exc: BaseException) -> Failure | None:
     return None
 
 
-async def error(
-    exc: BaseException, failure: Failure | None, kafka: Any, group_id: str
+def salvage(exc: BaseException) -> dict[TopicPartition, list[Any]]:
+    """The records aiokafka decoded in the ``getmany`` call that raised ``exc``, by partition.
+
+    aiokafka drops them with the error, although it may already have moved the
+    partitions' positions past them; they are readable and must be applied.
+    """
+    found: dict[TopicPartition, list[Any]] = {}
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        where = tb.tb_frame.f_locals
+        if "aiokafka" in code.co_filename:
+            if code.co_name == _DRAINING and isinstance(where.get("drained"), dict):
+                found.update(where["drained"])
+            elif code.co_name == _GETTING_ALL and isinstance(where.get("ret_list"), list):
+                tp = getattr(where.get("self"), "_topic_partition", None)
+                if isinstance(tp, TopicPartition) and where["ret_list"]:
+                    found[tp] = list(where["ret_list"])
+        tb = tb.tb_next
+    return found
+
+
+def error(
+    exc: BaseException, failure: Failure | None, group_id: str, stands_at: int | None
 ) -> errors.UndecodableBatchError:
+    """The error the consumer stops with, naming where and what to do.
+
+    ``stands_at``: the partition's stored offset once the readable records before
+    the batch were applied (None when not known).
+    """
     """The error the consumer stops with, naming where and what to do."""
     cause = (
         str(exc) if isinstance(exc, aiokafka.errors.KafkaError) else f"{type(exc).__name__}: {exc}"
@@ -75,23 +105,26 @@ async def error(
             f"cannot decode a record batch fetched for group {group_id!r}: {cause}. {remedy}"
         )
     tp = failure.tp
-    position = None
-    with contextlib.suppress(aiokafka.errors.KafkaError, TimeoutError):  # said without it
-        position = await asyncio.wait_for(kafka.position(tp), POSITION_TIMEOUT)
     where = f"topic {tp.topic!r} partition {tp.partition}"
-    if position is not None:
-        where += f", fetch position {position}"
-    skip_to = "AFTER_THE_BATCH"
+    skip_to, first = "AFTER_THE_BATCH", None
     if failure.batch is not None:
         first, after = failure.batch
         where += f" (the batch holds offsets {first} to {after - 1})"
         skip_to = str(after)
+    if stands_at is not None and (first is None or stands_at >= first):
+        where += f"; the records before it are applied, the group stands at offset {stands_at}"
+    elif stands_at is not None:
+        # The handlers ran out of shutdown_timeout: a skip now would pass over readable records.
+        where += (
+            f"; the group stands at offset {stands_at}, short of the batch: start the consumer "
+            "again to apply the records before it, then skip"
+        )
     return errors.UndecodableBatchError(
         f"cannot decode a record batch of {where}: {cause}. {remedy} If the batch is corrupt, "
         f"skip it (its records are not applied, the skip is recorded): `dedup offsets skip "
         f"--group {group_id} --topic {tp.topic} --partition {tp.partition} --to-offset {skip_to}`.",
         topic=tp.topic,
         partition=tp.partition,
-        offset=position,
+        offset=stands_at,
         batch=failure.batch,
     )

@@ -71,7 +71,8 @@ class UndecodableBatchError(DedupError):
 
     The consumer stops rather than skip records it cannot read.  ``topic`` and
     ``partition`` name the partition (None when aiokafka did not say which);
-    ``offset`` is the partition's fetch position, where consumption stands;
+    ``offset`` is the partition's stored offset once the readable records before the batch
+    were applied (where consumption stands);
     ``batch`` is the undecodable batch's ``(first offset, next offset)`` when known.
     """
 

@@ -60,6 +60,47 @@ class Event:
         return attrs
 
 
+LOST_TO_RETENTION = "offsets_lost_to_retention"
+"""A partition's stored offset lay below its log start: retention deleted records never applied."""
+BEYOND_LOG_END = "offsets_beyond_log_end"
+"""A partition's stored offset lies beyond its log end (the topic was recreated, say): held."""
+
+
+def lost_to_retention(resource: str, holder: str, token: int, lost: range, namespace: str) -> Event:
+    """The event of offsets ``lost`` (``lost.stop`` is the log start the partition resumes at)."""
+    return Event(
+        "partition",
+        LOST_TO_RETENTION,
+        namespace=namespace,
+        resource=resource,
+        holder=holder,
+        token=token,
+        detail={"lost_from": lost.start, "lost_to": lost.stop, "records": len(lost)},
+    )
+
+
+def beyond_log_end(
+    resource: str, holder: str, token: int, offsets: tuple[int, range], command: str, namespace: str
+) -> Event:
+    """The event of a partition held at ``offsets[0]``, beyond its log ``offsets[1]``; the
+    ``command`` moves it back into the log."""
+    stored, log = offsets
+    return Event(
+        "partition",
+        BEYOND_LOG_END,
+        namespace=namespace,
+        resource=resource,
+        holder=holder,
+        token=token,
+        detail={
+            "next_offset": stored,
+            "log_start": log.start,
+            "log_end": log.stop,
+            "command": command,
+        },
+    )
+
+
 async def record(conn: asyncpg.Connection, schema: str, events: Sequence[Event]) -> None:
     """Write ``events`` in one statement on ``conn`` and add them to the current span."""
     if not events:

@@ -52,6 +52,8 @@ LOCK_TIMEOUT = "15s"
 
 SHOW_COLUMNS = report.columns("group_id:group, topic, partition:part, holder, token, next_offset")
 KAFKA_COLUMNS = report.columns("end_offset:end, lag, kafka_committed")
+NOTE_COLUMNS = report.columns("note")
+"""Shown when a stored offset lies outside its partition's log (the JSON always has it)."""
 MOVE_COLUMNS = report.columns(
     "group_id:group, topic, partition:part, status, old_offset, new_offset, "
     "old_token, new_token, kafka_committed"
@@ -98,10 +100,12 @@ async def show(
     )
     columns: tuple[report.Column, ...] = SHOW_COLUMNS
     for row in rows:
-        row.update(end_offset=None, lag=None, kafka_committed=None)
+        row.update(end_offset=None, lag=None, kafka_committed=None, note=None)
     if kafka is not None:
         await _add_kafka(rows, kafka)
         columns += KAFKA_COLUMNS
+        if any(row["note"] for row in rows):
+            columns += NOTE_COLUMNS
     return report.Report(
         query={
             "group": q.group,
@@ -120,16 +124,35 @@ async def _add_kafka(rows: list[dict[str, Any]], kafka: offsets_kafka.Kafka) -> 
     try:
         present = await kafka.topics()
         tps = sorted({TopicPartition(r["topic"], r["partition"]) for r in rows})
-        ends = await kafka.ends([tp for tp in tps if tp.topic in present])
+        logs = await kafka.log_range([tp for tp in tps if tp.topic in present])
         committed = {g: await kafka.committed(g) for g in sorted({r["group_id"] for r in rows})}
     except aiokafka.errors.KafkaError as exc:
         raise kafka.unavailable(exc) from exc
     for row in rows:
         tp = TopicPartition(row["topic"], row["partition"])
-        row["end_offset"] = ends.get(tp)
         row["kafka_committed"] = committed[row["group_id"]].get(tp)
-        if row["end_offset"] is not None and row["next_offset"] is not None:
-            row["lag"] = row["end_offset"] - row["next_offset"]
+        if tp in logs:
+            row["end_offset"] = logs[tp].stop - 1
+            if row["next_offset"] is not None:
+                row["lag"] = row["end_offset"] - row["next_offset"]
+                row["note"] = _outside(row, logs[tp])
+
+
+def _outside(row: dict[str, Any], log: range) -> str | None:
+    """What a stored offset outside the partition's log means (dedup._out_of_range)."""
+    start, end, stored = log.start, log.stop - 1, row["next_offset"]
+    if stored < start:
+        return (
+            f"below the log start {start}: offsets {stored} to {start - 1} were deleted by "
+            "retention; the consumer resumes at the log start and records the loss"
+        )
+    if stored > end:
+        return (
+            f"beyond the log end {end} (was the topic recreated?): the consumer holds the "
+            f"partition until `dedup offsets rewind --group {row['group_id']} --topic "
+            f"{row['topic']} --partition {row['partition']} --to-offset {start}`"
+        )
+    return None
 
 
 def _described(group: str | None, topic: str | None) -> str:

@@ -6,6 +6,9 @@ worker (:mod:`dedup.worker`) that starts from the offset stored there.  A
 partition moved by ``dedup offsets`` is taken back from where the operator set
 it.  Kafka's committed offset follows Postgres every ``kafka_commit_interval``,
 for lag tools only.
+
+A stored offset outside the partition's log is resolved by :mod:`dedup._out_of_range`:
+resumed at the log start (the loss recorded) or held until ``dedup offsets`` moves it.
 """
 
 from __future__ import annotations
@@ -14,27 +17,32 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
 from dedup import _db as db
 from dedup import _errors as errors
+from dedup import _events as events
 from dedup import _lanes as lanes
+from dedup import _out_of_range as out_of_range
 from dedup import _refusal as refusal
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 from dedup import _worker as worker
 
 log = logging.getLogger("dedup.consumer")
+T = TypeVar("T")
 
 # A takeover waits at most this long for an old owner's open transaction; an old
 # owner that is paused is cut off sooner by the idle-in-transaction timeout.
 TAKEOVER_LOCK_TIMEOUT = "15s"
 CANCEL_GRACE = 3.0
 """Seconds a cancelled batch gets to roll back before its connection is closed under it."""
+DRAIN_POLL = 0.05
+"""Seconds between looks at workers applying what came with an undecodable batch (rare)."""
 
 
 class Partitions:
@@ -55,6 +63,8 @@ class Partitions:
         """The partitions held under a current token, by Kafka's name for them."""
         self.held: set[TopicPartition] = set()
         """Paused in the fetcher while every worker was busy."""
+        self.beyond_end: dict[TopicPartition, int] = {}
+        """Held at their stored offset (the value), beyond the log end, until moved back."""
         self._kafka = kafka
         self._lanes = lanes
         self._settings = settings
@@ -99,6 +109,7 @@ class Partitions:
             if self.workers.get(owner.tp) is owner:
                 del self.workers[owner.tp]
             self.held.discard(owner.tp)
+            self.beyond_end.pop(owner.tp, None)
             telemetry.transition(
                 "partition_revoked",
                 {
@@ -120,6 +131,7 @@ class Partitions:
             on_room=self.has_room,
         )
         self.workers[tp] = owner
+        self.beyond_end.pop(tp, None)  # taken (back) from an offset that may be in the log now
         if next_offset is not None:
             self._kafka.seek(tp, next_offset)
         self._kafka.resume(tp)
@@ -147,24 +159,36 @@ class Partitions:
         self, wanted: list[tuple[str, int]]
     ) -> dict[tuple[str, int], tuple[int, int | None]]:
         s = self._settings
-        takeover = {
-            "lock_timeout": TAKEOVER_LOCK_TIMEOUT,
-            "idle_in_transaction_session_timeout": str(round(s.idle_timeout * 1000)),
-        }
-        delay = 0.1
+        return await self._retrying(
+            f"taking partitions {wanted}",
+            lambda conn: s.store.take_partitions(conn, s.group_id, s.holder, wanted),
+            {
+                "lock_timeout": TAKEOVER_LOCK_TIMEOUT,
+                "idle_in_transaction_session_timeout": str(round(s.idle_timeout * 1000)),
+            },
+        )
+
+    async def _retrying(
+        self,
+        what: str,
+        step: Callable[[Any], Awaitable[T]],
+        settings: Mapping[str, str] | None = None,
+    ) -> T:
+        """``step`` in a transaction of its own, tried again while Postgres is away."""
+        s, delay = self._settings, 0.1
         while True:
             async with self._lanes.lane() as lane:
                 try:
                     conn = await lane.connection()
-                    async with db.transaction(conn, takeover):
-                        return await s.store.take_partitions(conn, s.group_id, s.holder, wanted)
+                    async with db.transaction(conn, settings):
+                        return await step(conn)
                 except Exception as exc:
                     if not db.is_retriable(exc) or self._stopping.is_set():
                         raise
                     await lane.release()
                     self._stats["retries"] += 1
                     telemetry.retries.add(1, {"messaging.consumer.group.name": s.group_id})
-                    log.warning("taking partitions %s failed (%r); retrying", wanted, exc)
+                    log.warning("%s failed (%r); retrying", what, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, worker.MAX_BACKOFF)
 
@@ -177,7 +201,8 @@ class Partitions:
         outside it against max_poll_interval_ms); a worker with room resumes
         its own partition (:meth:`has_room`).
         """
-        ready = [tp for tp, owner in self.workers.items() if owner.wants_records]
+        stuck = self.beyond_end
+        ready = [tp for tp, w in self.workers.items() if w.wants_records and tp not in stuck]
         if self.workers and not ready:
             busy = set(self.workers) - self.held
             self._kafka.pause(*busy)
@@ -188,7 +213,8 @@ class Partitions:
         """A worker took a batch off its queue: fetch for it again."""
         if tp in self.held:
             self.held.discard(tp)
-            self._kafka.resume(tp)
+            if tp not in self.beyond_end:
+                self._kafka.resume(tp)
 
     async def check_workers(self) -> None:
         """Drop the workers whose partition was taken (taking it back from an operator);
@@ -216,6 +242,36 @@ class Partitions:
                 raise failure.exit  # run() stops as on SIGTERM, then raises it on
             if failure is not None:
                 raise failure
+
+    async def apply_first(
+        self, readable: Mapping[TopicPartition, list[Any]], tp: TopicPartition | None, within: float
+    ) -> int | None:
+        """Have the workers apply ``readable`` (for ``within`` s at most); ``tp``'s offset after."""
+        for part, records in readable.items():
+            if part in self.workers:  # else revoked or lost since the fetch
+                self.workers[part].feed(records)
+        deadline = time.monotonic() + within
+        while not self._hurry.is_set() and time.monotonic() < deadline:
+            tasks = [w.task for w in self.workers.values() if not w.idle]
+            if not any(task is not None and not task.done() for task in tasks):
+                break
+            await asyncio.sleep(DRAIN_POLL)
+        return self.workers[tp].expected if tp in self.workers else None
+
+    async def out_of_range(self, positions: Mapping[TopicPartition, int]) -> None:
+        """aiokafka found these fetch positions outside their logs (dedup._out_of_range)."""
+        s = self._settings
+        tokens = {tp: w.token for tp, w in self.workers.items()}
+        owner = out_of_range.Owner(s.group_id, s.namespace, s.holder, tokens, self.beyond_end)
+        found = await out_of_range.resolve(self._kafka, positions, owner)
+        for tp, offset in found.held.items():
+            self._kafka.pause(tp)
+            self.beyond_end[tp] = offset
+        if found.events:
+            await self._retrying(
+                "recording " + found.events[0].kind,
+                lambda conn: events.record(conn, s.store.schema, found.events),
+            )
 
     async def close(self, workers: list[worker.PartitionWorker], grace: float) -> bool:
         """Let ``workers`` finish their batch in flight for ``grace`` s, then cancel them.
@@ -296,12 +352,7 @@ class Partitions:
         return found
 
     def _gauge_attributes(self, tp: TopicPartition) -> dict[str, Any]:
-        return {
-            "messaging.system": "kafka",
-            "messaging.consumer.group.name": self._settings.group_id,
-            "messaging.destination.name": tp.topic,
-            "messaging.destination.partition.id": str(tp.partition),
-        }
+        return telemetry.partition_attributes(self._settings.group_id, tp)
 
     # -------------------------------------------------------------- offsets --
 
@@ -381,39 +432,6 @@ class Partitions:
         for owner, offset in due.values():
             # A partition taken again meanwhile has a new worker: its commit is still due.
             owner.committed_to_kafka = offset
-
-
-class Listener(aiokafka.ConsumerRebalanceListener):  # type: ignore[misc]
-    """Hands aiokafka's rebalance calls to the partitions.
-
-    aiokafka only logs what a listener raises; the consumer would then hold
-    partitions it never works on.  So an error goes to ``failed`` too, and the
-    consumer's fetch loop raises it from ``IdempotentConsumer.run``.
-    """
-
-    def __init__(
-        self,
-        partitions: Partitions,
-        grace: Callable[[], float],
-        failed: Callable[[Exception], None],
-    ) -> None:
-        self.partitions = partitions
-        self.grace = grace
-        """Seconds the batches in flight of a revoked partition may take, asked at the revoke."""
-        self.failed = failed
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self._reported(self.partitions.revoke(revoked, self.grace()))
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self._reported(self.partitions.assign(assigned))
-
-    async def _reported(self, step: Awaitable[None]) -> None:
-        try:
-            await step
-        except Exception as exc:
-            self.failed(exc)
-            raise
 
 
 def _fetch_position(kafka: Any, tp: TopicPartition) -> int | None:

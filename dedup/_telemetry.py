@@ -125,6 +125,17 @@ lock_waits = _counter(
 retries = _counter(
     "dedup.retries", "{retry}", "batches, messages and partition takeovers tried again"
 )
+lost_to_retention = _counter(
+    "dedup.offsets.lost_to_retention", "{message}", "records retention deleted, never applied"
+)
+
+
+def partition_attributes(group_id: str, tp: Any) -> dict[str, Any]:
+    """A partition's attributes on gauges and counters (``tp``: a TopicPartition)."""
+    return {"messaging.system": "kafka", "messaging.consumer.group.name": group_id} | {
+        "messaging.destination.name": tp.topic,
+        "messaging.destination.partition.id": str(tp.partition),
+    }
 
 
 def counting(attributes: dict[str, Any]) -> dict[str, Any]:

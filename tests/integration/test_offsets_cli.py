@@ -32,6 +32,7 @@ SHOW_FIELDS = {
     "end_offset",
     "lag",
     "kafka_committed",
+    "note",
 }
 MOVE_FIELDS = {
     "group_id",
