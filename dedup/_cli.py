@@ -25,6 +25,7 @@ from dedup import _cli_migrate as cli_migrate
 from dedup import _cli_offsets as cli_offsets
 from dedup import _errors as errors
 from dedup import _imports as imports
+from dedup import _limits as limits
 from dedup import _report as report
 from dedup import _task_command as task_command
 from dedup import _tasks as tasks
@@ -36,11 +37,6 @@ EXIT_USAGE = common.EXIT_USAGE
 POOL_OPTIONS = common.POOL_OPTIONS
 _common = common.add_common
 _dsn = common.dsn
-
-
-MAX_LEASE_TTL = 86400.0
-"""The longest ``task run --ttl`` in seconds: a runner that dies holds its task
-until the lease expires, so a lease longer than a day is a typo."""
 
 
 def _load_job(spec: str) -> tasks.Job:
@@ -131,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", required=True, help="the business key, e.g. 2024-05-31")
     p.add_argument(
         "--ttl",
-        type=common.seconds(0, MAX_LEASE_TTL, above=True),
+        type=common.seconds(tasks.MIN_TASK_LEASE_TTL, limits.MAX_LEASE_TTL),
         default=tasks.DEFAULT_LEASE_TTL,
         help="lease seconds, renewed every third of it while the job runs (default: %(default)s)",
     )

@@ -96,7 +96,13 @@ async def test_the_consumer_applies_each_message_once_through_pgbouncer_across_a
 
     # Retention's batches set their lock_timeout per transaction too.
     purged = await run_cli_async(
-        "purge", "--before", "2999-01-01T00:00:00Z", "--format", "json", dsn=pgbouncer_dsn
+        "purge",
+        "--before",
+        "2999-01-01T00:00:00Z",
+        "--force",
+        "--format",
+        "json",
+        dsn=pgbouncer_dsn,
     )
     assert json_out(purged)["purged"]["processed"] == 12, purged.stderr
     assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == 0

@@ -411,7 +411,10 @@ async def test_a_run_is_a_span_with_every_transition_as_an_event(
     [
         (["nowhere:job", "--task", "t", "--key", "k"], "cannot load job nowhere:job"),
         ([f"{JOBS}:record", "--task", "t"], "the following arguments are required: --key"),
-        ([f"{JOBS}:record", "--task", "t", "--key", "k", "--ttl", "0"], "positive number"),
+        (
+            [f"{JOBS}:record", "--task", "t", "--key", "k", "--ttl", "0"],
+            "expected seconds from 1 to 604800",
+        ),
         ([f"{JOBS}:record", "--task", "a:b", "--key", "k"], "invalid task code"),
         ([f"{JOBS}", "--task", "t", "--key", "k"], "name it MODULE:FUNCTION"),
     ],
