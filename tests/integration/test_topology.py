@@ -225,10 +225,12 @@ async def test_a_topic_recreated_under_a_running_consumer_is_held_and_aiokafka_s
         [(_, detail)] = await helpers.wait_for(beyond, what="the partition held")
     assert (detail["next_offset"], detail["log_end"]) == (10, 1)
     assert await applied(pool) == sorted(old)
-    # While the topic was gone aiokafka said each thing once (the rate limit passes one line
-    # per message every kafka_logs.INTERVAL s; this test takes less than that).
+    # While the topic was gone aiokafka said each thing at most once (the rate limit passes
+    # one line per message every kafka_logs.INTERVAL s; this test takes less than that).
+    # Whether it says anything at all depends on how fast the topic came back; the limit
+    # itself is tested in tests/unit/test_kafka_logs.py.
     said = Counter((r.name, r.msg) for r in caplog.records if r.name.startswith("aiokafka"))
-    assert said and max(said.values()) == 1, said.most_common(3)
+    assert max(said.values(), default=0) <= 1, said.most_common(3)
 
 
 class NotUtf8(str):
