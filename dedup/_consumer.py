@@ -1,36 +1,41 @@
 """The idempotent Kafka consumer: its lifecycle and its fetch loop.
 
-The consumer has three jobs, each in one place:
-
-- **assignment and fetching** (this module, :mod:`dedup._fetch` and
-  :mod:`dedup.partitions`): the
-  rebalance listener takes the assigned partitions in Postgres with fresh
-  fencing tokens and seeks to the offsets stored there; the fetch loop hands
-  each partition's records to its
-  worker, and fetches only for the workers that have room (a busy partition's
-  records wait in aiokafka's fetch buffer; when every worker is busy, the
-  partitions are paused in the fetcher until one has room);
-- **applying** (:mod:`dedup.worker`): one worker per owned partition applies
-  its records batch after batch, one Postgres transaction each (see
-  :mod:`dedup.store`), on a connection lent by :mod:`dedup.lanes`; workers run
-  side by side, so one partition's slow or hung handler never holds up another;
+- **assignment** (:mod:`dedup._partitions`): the rebalance listener takes the
+  assigned partitions in Postgres with fresh fencing tokens, seeks to the
+  offsets stored there, and places each on one of ``concurrency`` lanes;
+- **fetching** (this module): the loop asks aiokafka for the partitions that
+  want records and feeds each partition's records to its lane; a partition
+  with a turn's worth queued is left out of the fetch (paused when none wants
+  more), so aiokafka's buffer holds the rest and fetching overlaps the
+  transactions;
+- **applying** (:mod:`dedup._lanes`, :mod:`dedup._turn`): each lane takes what
+  its partitions fetched, up to ``batch_size``, and applies it in one
+  transaction: one fence-and-claim statement for all of them, the handler,
+  COMMIT; lanes run side by side, so a slow or hung handler holds up only its
+  own lane's partitions;
 - **offsets** (``Partitions.commit_kafka``, ``follow_fetch_positions``,
   ``check_owners``): Postgres holds the authoritative offset, moved in each
-  batch's own transaction.  Kafka's committed offset follows it every
+  turn's own transaction.  Kafka's committed offset follows it every
   ``kafka_commit_interval`` seconds, for lag tools only, and once after every
   assignment whatever Kafka held.  The stored offset follows Kafka's fetch
   position where that passes records never handed out (transaction markers,
   aborted transactions), so a caught-up group shows no lag.  ``dedup offsets
   rewind|skip`` moves a partition by taking it with a new token; the consumer
-  finds that within ``kafka_commit_interval`` (or at its next batch's fence)
+  finds that within ``kafka_commit_interval`` (or at its next turn's fence)
   and takes the partition back from the offset the operator set.
 
+A fetch error means: a position outside the partition's log, resolved by
+:mod:`dedup._out_of_range`; a partition with no offset anywhere, started where
+``auto_offset_reset`` says; a batch that cannot be decoded, whose readable
+records are applied before the consumer stops (:mod:`dedup._decoding`); a
+retriable Kafka error, logged, and fetched again after :data:`RETRY_WAIT`.
+
 Shutdown is bounded: SIGTERM, SIGINT or :meth:`IdempotentConsumer.stop` let the
-batches in flight finish for ``shutdown_timeout`` seconds, then cancel them
+turns in flight finish for ``shutdown_timeout`` seconds, then cancel them
 (they roll back and will be delivered again); a second signal cancels at once.
 
-The settings are checked in :mod:`dedup.config`; ``wrap`` and ``claim``, for
-hand-written aiokafka loops, live in :mod:`dedup.wrap`.
+The settings are checked in :mod:`dedup._config`; ``wrap`` and ``claim``, for
+hand-written aiokafka loops, live in :mod:`dedup._wrap`.
 """
 
 from __future__ import annotations
@@ -47,14 +52,14 @@ from typing import Any
 
 import aiokafka
 import aiokafka.errors
+from aiokafka.structs import TopicPartition
 
 from dedup import _config as config
 from dedup import _db as db
+from dedup import _decoding as decoding
 from dedup import _errors as errors
-from dedup import _fetch as fetch
 from dedup import _kafka_client as kafka_client
 from dedup import _kafka_logs as kafka_logs
-from dedup import _lanes as lanes
 from dedup import _leases as leases
 from dedup import _message as message_
 from dedup import _migrations as migrations
@@ -63,7 +68,7 @@ from dedup import _partitions as partitions
 from dedup import _rebalance as rebalance
 from dedup import _sql as sql
 from dedup import _store as store
-from dedup import _worker as worker
+from dedup import _turn as turn
 from dedup import keys
 
 log = logging.getLogger("dedup.consumer")
@@ -77,12 +82,15 @@ STAT_NAMES = (
     "stale",
     "retries",
     "deadlocks",
-    "lock_waits",
     "batches",
 )
 
 IDLE_MARGIN = 2.0
 """Seconds the server's idle-in-transaction timeout leaves beyond ``handler_timeout``."""
+FETCH_WAIT_MS = 250
+"""Most milliseconds one fetch waits for records; a stop is seen within it."""
+RETRY_WAIT = 1.0
+"""Seconds before fetching again after a retriable Kafka error (unless stopping)."""
 
 
 class IdempotentConsumer:
@@ -191,8 +199,7 @@ class IdempotentConsumer:
         self._stopped = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._kafka: Any = None
-        self._fetch: fetch.Fetcher | None = None  # while running
-        self._lanes: lanes.Lanes | None = None
+        self._offset_reset = config.DEFAULT_AUTO_OFFSET_RESET  # the user's (aiokafka's: none)
 
     @property
     def stats(self) -> Mapping[str, int]:
@@ -201,18 +208,17 @@ class IdempotentConsumer:
         ``messages`` (records committed, whatever their outcome), ``processed``
         (applied), ``duplicates``, ``conflicts``, ``dead_lettered`` (conflicts
         included under the default policy), ``stale`` (batches refused by the
-        fence), ``retries``, ``deadlocks`` (batches that deadlocked with another
-        partition's and ran again under a turn), ``lock_waits`` (batches that ran
-        again after waiting past ``lanes.LOCK_WAIT`` for a row lock while other partitions'
-        transactions ran; the second such incident within 10 s makes handlers take turns),
-        ``batches`` (transactions committed).
+        fence), ``retries`` (transactions run again: deadlocks, outages, a
+        handler's further attempts), ``deadlocks`` (transactions that deadlocked
+        with another and ran again after a backoff), ``batches`` (partitions'
+        batches committed; a lane's transaction commits one per partition in it).
         """
         return types.MappingProxyType(self._stats)
 
     @property
     def assignment(self) -> set[tuple[str, int]]:
         """The partitions this consumer holds a current token for."""
-        held = self._partitions.workers if self._partitions is not None else {}
+        held = self._partitions.owned if self._partitions is not None else {}
         return {(tp.topic, tp.partition) for tp in held}
 
     # ------------------------------------------------------------ lifecycle --
@@ -277,23 +283,23 @@ class IdempotentConsumer:
     async def _start(self) -> None:
         c = self.config
         if self._dsn is not None:
+            # A connection per lane, and one for what runs beside them (takes, looks).
             self._pool = await db.create_pool(
-                self._dsn, min_size=1, max_size=c.concurrency, **c.pool_options
+                self._dsn, min_size=1, max_size=c.concurrency + 1, **c.pool_options
             )
         # A lane keeps its connection while the consumer runs.  In a pool of the
-        # caller's, one connection stays free for the caller's own code.
+        # caller's, one connection stays free for the rest.
         size = c.concurrency
         if not self._own_pool:
             size = max(1, min(size, _pool_size(self._pool) - 1))
-        self._lanes = lanes.Lanes(self._pool, size)
         await migrations.check(self._pool, schema=c.schema)
-        settings = await self._worker_settings()
+        settings = await self._turn_settings()
         kafka_logs.install()
         options = kafka_client.client_options(c.kafka_options)
         # aiokafka must say when a position is out of range, not jump silently:
         # dedup resets where nothing is stored, and records what an offset outside
-        # the log means (dedup._partitions).
-        reset = options.pop("auto_offset_reset", config.DEFAULT_AUTO_OFFSET_RESET)
+        # the log means (dedup._out_of_range).
+        self._offset_reset = options.pop("auto_offset_reset", config.DEFAULT_AUTO_OFFSET_RESET)
         self._kafka = aiokafka.AIOKafkaConsumer(
             bootstrap_servers=c.bootstrap_servers,
             group_id=c.group_id,
@@ -303,34 +309,26 @@ class IdempotentConsumer:
         )
         self._partitions = partitions.Partitions(
             self._kafka,
-            lanes=self._lanes,
+            pool=self._pool,
+            concurrency=size,
             settings=settings,
             stats=self._stats,
             commit_interval=c.kafka_commit_interval,
             stopping=self._stopping,
             hurry=self._hurry,
         )
-        self._fetch = fetch.Fetcher(
-            self._kafka,
-            self._partitions,
-            c.batch_size,
-            c.group_id,
-            reset,
-            self._stopping,
-            self._revoke_grace,
-        )
         await self._start_kafka(self._partitions)
         log.info("consumer %s started on %s (group %s)", self.holder, c.topics, c.group_id)
 
-    async def _worker_settings(self) -> worker.Settings:
-        """What every worker shares: most of it is this consumer's settings, by the same names."""
+    async def _turn_settings(self) -> turn.Settings:
+        """What every turn shares: most of it is this consumer's settings, by the same names."""
         assert self._pool is not None  # noqa: S101 - started
         shared = {
             field.name: getattr(self.config, field.name)
-            for field in dataclasses.fields(worker.Settings)
+            for field in dataclasses.fields(turn.Settings)
             if hasattr(self.config, field.name)
         }
-        return worker.Settings(
+        return turn.Settings(
             **shared,
             store=self.store,
             handler=self.handler,
@@ -373,23 +371,21 @@ class IdempotentConsumer:
         """Stop within ``shutdown_timeout`` (plus a few seconds), whatever the handlers do."""
         self._request_stop()
         held = self._partitions
-        cut = held is not None and await held.close(list(held.workers.values()), self._time_left())
+        cut = held is not None and await held.close(self._time_left())
         if self._kafka is not None:
             assert held is not None  # noqa: S101 - made with the Kafka consumer
             with contextlib.suppress(aiokafka.errors.KafkaError, TimeoutError):
                 async with asyncio.timeout(5):
                     await held.commit_kafka(force=True)
-            # Leaving the group revokes our partitions; their workers are done.
+            # Leaving the group revokes our partitions; their lanes are done.
             try:
                 async with asyncio.timeout(max(self._time_left(), 5.0)):
                     await self._kafka.stop()
             except TimeoutError:
                 log.warning("leaving the Kafka group took too long; the broker will time us out")
             self._kafka = None
-        if self._lanes is not None:
-            if cut:
-                self._lanes.terminate()  # a handler that ignored its cancellation
-            await self._lanes.close()
+        if held is not None:
+            await held.release()
         if self._own_pool and self._pool is not None:
             if cut:
                 self._pool.terminate()
@@ -411,20 +407,68 @@ class IdempotentConsumer:
         self._request_stop()  # the fetch loop sees it within FETCH_WAIT_MS and raises it
 
     async def _consume(self) -> None:
-        held, fetch_records = self._partitions, self._fetch
-        assert held is not None and fetch_records is not None  # noqa: S101 - started
+        held = self._partitions
+        assert held is not None  # noqa: S101 - started
         while not self._stopping.is_set():
-            await held.check_workers()
-            fetched = await fetch_records()
-            for tp, records in fetched.items():
-                owner = held.workers.get(tp)
-                if owner is not None:  # else revoked or lost since the fetch
-                    owner.feed(records)
+            await held.check()
+            held.feed(await self._fetch(held))
             held.follow_fetch_positions()
             await held.check_owners()
             await held.commit_kafka()
         if self._failure is not None:
             raise self._failure
+
+    async def _fetch(self, held: partitions.Partitions) -> dict[TopicPartition, list[Any]]:
+        """The records fetched for the partitions that want them, by partition (maybe none)."""
+        ready = held.ready()
+        fetched: dict[TopicPartition, list[Any]] = {}
+        c = self.config
+        try:
+            # Without partitions getmany also runs a rebalance that gives us the first ones.
+            fetched.update(
+                await self._kafka.getmany(
+                    *ready, timeout_ms=FETCH_WAIT_MS, max_records=c.batch_size
+                )
+            )
+            # getmany fills max_records from one partition after another; ask each
+            # other ready partition for what the fetcher already holds.
+            if fetched and len(ready) > 1:
+                for tp in ready:
+                    if tp not in fetched and tp in held.owned:
+                        fetched.update(
+                            await self._kafka.getmany(tp, timeout_ms=0, max_records=c.batch_size)
+                        )
+        except aiokafka.errors.OffsetOutOfRangeError as exc:
+            await self._resolving(held.out_of_range(exc.args[0]))
+        except aiokafka.errors.NoOffsetForPartitionError as exc:
+            reset = out_of_range.reset(self._kafka, exc.args[0], self._offset_reset, c.group_id)
+            await self._resolving(reset)
+        except Exception as exc:
+            failure = decoding.locate(exc)
+            if failure is not None or isinstance(exc, decoding.ERRORS):
+                # aiokafka has already moved partitions past records it dropped with
+                # this error: apply them, then stop (going on would skip the batch).
+                readable = {**fetched, **decoding.salvage(exc)}
+                tp = failure.tp if failure is not None else None
+                stands_at = await held.apply_first(readable, tp, self._revoke_grace())
+                raise decoding.error(exc, failure, c.group_id, stands_at) from exc
+            await self._retry_later(exc)
+        return fetched
+
+    async def _resolving(self, step: Awaitable[None]) -> None:
+        """Run ``step``, which asks Kafka where a partition's log lies."""
+        try:
+            await step
+        except aiokafka.errors.KafkaError as exc:
+            await self._retry_later(exc)
+
+    async def _retry_later(self, exc: Exception) -> None:
+        """Raise ``exc`` unless it is a retriable Kafka error; then wait RETRY_WAIT."""
+        if not isinstance(exc, aiokafka.errors.KafkaError) or not exc.retriable:
+            raise exc
+        log.warning("kafka fetch failed, retrying: %r", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), RETRY_WAIT)
 
     def _revoke_grace(self) -> float:
         """How long the batches in flight of revoked partitions may take to finish."""

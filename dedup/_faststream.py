@@ -26,7 +26,6 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
-from dedup import _batch as batch
 from dedup import _config as config
 from dedup import _db as db
 from dedup import _errors as errors
@@ -203,7 +202,7 @@ class FastStreamDedup:
         letters = []
         for record in records:
             msg = message_.Message.from_record(record)
-            batch.take_key(self.key, self._missing_key, msg)
+            store.take_key(self.key, self._missing_key, msg)
             letters.append(
                 store.DeadLetter(
                     msg,

@@ -7,17 +7,20 @@ and let its later writes commit on their own.  ``tx.conn`` therefore refuses
 statements that end the transaction (``COMMIT``, ``END``, ``ROLLBACK``,
 ``ABORT``, ``PREPARE TRANSACTION``) and closing the connection, with an error
 that names what was tried; the batch rolls back like after any handler error.
-Savepoints (``conn.transaction()`` inside the handler, ``ROLLBACK TO``) are
-fine.  After the handler, :meth:`GuardedConnection.check_done` makes sure the
-transaction is still open, whatever way it was ended, and that every statement
-the handler started on ``tx.conn`` was awaited: a forgotten ``await`` would
-otherwise commit the claim without the write it guards.
+Savepoints are fine: ``tx.conn.transaction()`` is one (:class:`Savepoint`,
+as asyncpg's nested transactions are), and so is ``ROLLBACK TO``.  After the
+handler, :meth:`GuardedConnection.check_done` makes sure the transaction is
+still open, whatever way it was ended, and that every statement the handler
+started on ``tx.conn`` was awaited: a forgotten ``await`` would otherwise
+commit the claim without the write it guards.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
+import types
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -84,6 +87,20 @@ class GuardedConnection:
         check_statement(query)
         return self._conn.cursor(query, *args, **kwargs)
 
+    def transaction(
+        self, *, isolation: str | None = None, readonly: bool = False, deferrable: bool = False
+    ) -> Savepoint:
+        """A savepoint inside dedup's transaction, as asyncpg's nested ``transaction()`` is.
+
+        A savepoint can't change the transaction's isolation level or access mode.
+        """
+        if isolation is not None or readonly or deferrable:
+            raise errors.HandlerError(
+                "the handler asked tx.conn.transaction() for an isolation level or access mode: "
+                "it runs inside dedup's transaction, where a nested transaction is a savepoint"
+            )
+        return Savepoint(self._conn)
+
     async def close(self, **kwargs: Any) -> None:
         raise errors.HandlerError(
             "the handler tried to close dedup's connection; it belongs to the batch's transaction"
@@ -115,6 +132,42 @@ class GuardedConnection:
                 f"({len(forgotten)} statement(s) never ran): a missing `await`"
             )
         check_open(self._conn)
+
+
+_savepoints = itertools.count(1)
+
+
+class Savepoint:
+    """``tx.conn.transaction()``: a savepoint, released when the block ends, rolled back to
+    when it raises (``start``/``commit``/``rollback`` for use without ``async with``)."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+        self._name = f"dedup_savepoint_{next(_savepoints)}"
+
+    async def start(self) -> None:
+        await self._conn.execute(f"SAVEPOINT {self._name}")
+
+    async def commit(self) -> None:
+        await self._conn.execute(f"RELEASE SAVEPOINT {self._name}")
+
+    async def rollback(self) -> None:
+        await self._conn.execute(f"ROLLBACK TO SAVEPOINT {self._name}")
+
+    async def __aenter__(self) -> Savepoint:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        if kind is None:
+            await self.commit()
+        else:
+            await self.rollback()
 
 
 def _never_started(call: Coroutine[Any, Any, Any]) -> bool:

@@ -33,6 +33,7 @@ async def run(
     conn: asyncpg.Connection,
     token: int,
     deadline_s: float | None,
+    namespace: str = "",
 ) -> None:
     """Run ``handler`` on ``msgs`` (once for a batch handler, else once per message, in order).
 
@@ -40,7 +41,7 @@ async def run(
     (see :func:`failed_offset`), so the worker can split the batch around it.
     """
     guarded = guard.GuardedConnection(conn)
-    tx = message_.Tx(conn=guarded, token=token)
+    tx = message_.Tx(conn=guarded, token=token, namespace=namespace)
     if batch_handler:
         await call(handler(msgs, tx), guarded, deadline_s)  # type: ignore[arg-type]
         return
@@ -69,7 +70,7 @@ async def call(
     ``SystemExit`` and ``KeyboardInterrupt`` go through: the transaction rolls
     back and the process ends, as the handler asked.  The consumer counts such
     exits across restarts and dead-letters the message after ``max_attempts``
-    of them (see :mod:`dedup._worker`).
+    of them (see :mod:`dedup._lanes`).
     """
     try:
         async with asyncio.timeout(deadline_s) as deadline:
@@ -109,6 +110,17 @@ def _discard(awaitable: Awaitable[object]) -> None:
         awaitable.close()
     elif isinstance(awaitable, asyncio.Future):
         awaitable.cancel()
+
+
+class HandlerExit(BaseException):
+    """A handler raised ``SystemExit`` or ``KeyboardInterrupt``: the lane's task ends with
+    this (asyncio would stop the event loop at once on the original), and the consumer
+    stops as on SIGTERM, then raises ``exit`` from :meth:`IdempotentConsumer.run`.
+    """
+
+    def __init__(self, exit: SystemExit | KeyboardInterrupt) -> None:
+        super().__init__(exit)
+        self.exit = exit
 
 
 def failed_offset(exc: BaseException) -> int | None:

@@ -1,223 +1,608 @@
-"""Lanes: the consumer's Postgres connections, one per batch transaction in flight.
+"""Lanes: a connection, a task and a fixed set of partitions each; one transaction per turn.
 
-A lane keeps its connection from one transaction to the next.  :class:`Lanes`
-lends them to the partition workers, so at most ``concurrency`` batches run at
-once, and says when their handlers must take turns: when two lanes'
-transactions deadlock (handlers that update the same hot rows in different
-orders), the lanes turn *serial* for a cool-down that doubles while deadlocks
-keep coming, and the batch that lost runs again at once, under a turn.
+The consumer has ``concurrency`` lanes.  At each assignment every partition it
+takes is placed on a lane (:func:`place`: a partition stays on its lane across
+rebalances where it can) and gets a :class:`Partition`, which holds its token,
+its offset as this holder last stored it, and the records fetched for it.
+The fetch loop (:mod:`dedup._consumer`) feeds each partition's records and
+wakes its lane.
 
-Serial lanes still run side by side, but their handlers take turns: a batch
-claims its keys, then waits for its :class:`Turn` before its handler runs, and
-keeps it until its transaction ends.  So the next batch's BEGIN and claim run
-while the current one's handler does.  The turn is first the consumer's own
-(an asyncio lock), then the group's (a transaction-scoped advisory lock,
-``serialize_group`` in the named queries), so consumers of the group that
-deadlocked each other take turns too.  That lock is taken after the claim's
-locks, yet can't close a cycle: whoever holds it has claimed already, and
-none of its remaining statements waits for a claim.  A batch that waits
-first drops its claim's snapshot (``drop_snapshot``): held, it would keep
-Postgres from pruning the dead versions the handler that runs meanwhile
-leaves on the hot rows, and make every update of theirs slower.  It runs that
-statement again every third of the idle timeout while it waits, so the server
-never cuts a session that only waits for its turn.
+A lane's loop takes a **turn** whenever its partitions hold records: up to
+``batch_size`` records in all, each partition's in offset order (the partition
+served first rotates, so none waits behind a busy neighbour), and applies them
+in one transaction (:mod:`dedup._turn`).  Its partitions wait while it runs;
+the other lanes' don't.  A hung handler holds up only its own lane, for
+``handler_timeout`` per attempt.
 
-Lanes also let small batches ride together.  On a live stream each fetch
-brings a few records of several partitions, and a transaction per partition
-would cost several times the transactions of a hand-written loop that
-commits each fetch at once.  A worker that gets a lane first gathers the
-small batches of other partitions (:meth:`Lanes.gather`): those waiting for
-a lane, and those that come for one in the same turn of the event loop.  Its
-transaction fences, claims and handles each partition's batch as if alone,
-then commits them all.  Only small batches ride (:data:`RIDER_SHARE`): a
-backlog's run side by side, each on its own lane.
+When a turn fails, the policy of :mod:`dedup._retry` says what to do: run it
+again (a deadlock, an outage), drop a partition the fence refused, or split
+it to find the message whose handler fails, which gets ``max_attempts`` and
+is then dead-lettered.
 
-So once the lanes are serial a hot-row batch costs at most one retry: run
-again under a turn, its handler meets no other turn's rows, and a
-transaction begun before the lanes turned serial gives its rows up within
-:data:`LOCK_WAIT` (below).
-
-Postgres looks for a deadlock only after a lock wait of ``deadlock_timeout``
-(1 s by default, settable by superusers only), once per waiting transaction:
-four lanes tangled on hot rows untangle one second at a time.  So a
-transaction on a shared lane waits at most :data:`LOCK_WAIT` for a row lock
-(``lock_timeout``, set for that transaction only by the batch's first
-statement); past it the batch runs again, like one that deadlocked (see
-:func:`contended`).  A deadlock turns the lanes serial at once, and so does
-a batch that waits again when it runs again; other lock waits do at their
-second *incident* within :data:`LOCK_WAITS_WINDOW`.  One slow
-COMMIT (a checkpoint's flush, a paused process) makes every lane queued
-behind its rows wait past :data:`LOCK_WAIT` at about the same moment: that
-is one incident, a hiccup, and turning serial for a cool-down would cost a
-live stream far more than the hiccup did.  Handlers tangled on hot rows
-meet again within a second.  A lane lent while the lanes are serial, or the
-only one, waits as long as the session's own ``lock_timeout`` says.
+A partition's :class:`State` is one value: ``OWNED`` while its records are
+applied; ``MOVED`` (``dedup offsets`` moved it), ``FORGOTTEN`` (Postgres lost
+commits of ours) and ``TAKEN`` (another consumer has it) once the fence, or
+the periodic look of :mod:`dedup._partitions`, found that; ``CLOSED`` after a
+revoke or at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import enum
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+from aiokafka.structs import TopicPartition
 
-from dedup import _db as db
+from dedup import _errors as errors
+from dedup import _handler as handler_
+from dedup import _message as message_
+from dedup import _offsets as offsets
+from dedup import _refusal as refusal
+from dedup import _results as results
+from dedup import _retry as retry
+from dedup import _store as store
+from dedup import _telemetry as telemetry
+from dedup import _turn as turn
 
-log = logging.getLogger("dedup.lanes")
+log = logging.getLogger("dedup.consumer")
 
-SERIAL_COOLDOWN = 30.0
-"""Seconds the lanes stay serial after a deadlock (doubling, up to MAX_SERIAL_COOLDOWN)."""
-MAX_SERIAL_COOLDOWN = 600.0
-LOCK_WAIT = 0.2
-"""Seconds a transaction on a shared lane waits for a row lock before it runs again."""
-RIDER_SHARE = 10
-"""Only batches of at most 1/RIDER_SHARE of ``batch_size`` ride (or gather): a backlog's
-batches are larger, and run faster side by side on their own lanes."""
-RIDERS_PAUSE = 30.0
-"""Seconds nobody rides after a shared transaction's handlers ran too long."""
-LOCK_WAIT_INCIDENT = 2 * LOCK_WAIT
-"""Lock waits within this many seconds of an incident's first are the same incident."""
-LOCK_WAITS_WINDOW = 10.0
-"""A second incident of lock waits this soon after the first turns the lanes serial."""
+MIN_QUEUED = 64
+"""Records a partition may hold besides those in flight, however small ``batch_size`` is."""
 
 
-def contended(exc: BaseException, shared: bool) -> bool:
-    """True when ``exc`` says a batch ran into another transaction's row locks.
+class State(enum.Enum):
+    """Where a partition held by this consumer stands."""
 
-    A deadlock, or, on a lane lent shared, a lock wait past :data:`LOCK_WAIT`.
-    Such a batch runs again under a turn, and :meth:`Lanes.deadlocked` is told.
-    """
-    if isinstance(exc, asyncpg.DeadlockDetectedError):
-        return True
-    return shared and isinstance(exc, asyncpg.LockNotAvailableError)
-
-
-class Turn:
-    """A serial batch's turn to run its handler: the consumer's, then its group's."""
-
-    def __init__(self, mine: asyncio.Lock, group_id: str) -> None:
-        self._mine = mine
-        self.group_id = group_id
-        """Whose advisory lock is the group's turn (``serialize_group``)."""
-        self._held = False
-
-    async def wait(self, keepalive: Callable[[], Awaitable[object]], every: float | None) -> None:
-        """Wait for the consumer's turn, calling ``keepalive`` every ``every`` seconds meanwhile.
-
-        The waiting batch's transaction is idle on the server: ``keepalive`` (a
-        statement) keeps ``idle_in_transaction_session_timeout`` from cutting it.
-        ``asyncio.wait`` on the acquire, not ``wait_for``, which on Python 3.11
-        can drop an acquisition that raced its timeout.
-        """
-        acquire = asyncio.ensure_future(self._mine.acquire())
-        try:
-            while not (await asyncio.wait({acquire}, timeout=every))[0]:
-                await keepalive()
-        except BaseException:
-            if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
-                self._mine.release()
-            else:
-                acquire.cancel()
-            raise
-        self._held = True
-
-    def end(self) -> None:
-        """The transaction ended (the group's turn with it): the next batch's turn."""
-        if self._held:
-            self._held = False
-            self._mine.release()
+    OWNED = "owned"
+    """Ours under a current token: its records are applied."""
+    MOVED = "moved"
+    """``dedup offsets`` moved it: the consumer takes it back from the offset set."""
+    FORGOTTEN = "forgotten"
+    """Postgres lost commits of ours (a failover): taken back from the offset stored."""
+    TAKEN = "taken"
+    """Another consumer holds a newer token: dropped until Kafka assigns it again."""
+    CLOSED = "closed"
+    """Revoked, or the consumer is stopping: no further turn takes its records."""
 
 
-@dataclass(eq=False)
-class Rider:
-    """A worker's batch that may ride in another lane's transaction instead of taking a lane."""
+class Partition:
+    """One partition held under a token: its records, and its offset as last stored."""
 
-    batch: Any
-    """What the gathering worker takes along (the rider's worker, messages, dead letters)."""
-    size: int
-    """Messages and dead letters in the batch."""
-    seat: asyncio.Future[bool] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    """Set when the transaction that took it ended: True committed, False run it alone."""
-    boarded: bool = False
+    def __init__(
+        self,
+        tp: TopicPartition,
+        token: int,
+        next_offset: int | None,
+        settings: turn.Settings,
+    ) -> None:
+        self.tp = tp
+        self.token = token
+        self.expected = next_offset
+        """The partition's next_offset in Postgres as this holder last left it."""
+        self.began = next_offset
+        """Where this holder began: the stored offset, or else the first record fed."""
+        self.state = State.OWNED
+        self.found: results.Position | None = None
+        """The row that showed it MOVED or FORGOTTEN: where to take it back from."""
+        self.committed_to_kafka: int | None = None
+        """What Kafka last heard from us (None: tell it, whatever it holds)."""
+        self.records: collections.deque[Any] = collections.deque()
+        self.in_flight: list[int] = []
+        """Offsets of this partition in the turn running now."""
+        self.follow_to: int | None = None
+        # Exits counted across restarts (Lane._mark): a mark before the first turn,
+        # and before each message of a stretch where an earlier holder died.
+        self.watching = True
+        self.single = False
+        self.marked: int | None = None
+        self.exits = 0
+        """How often the process ended at the marked offset before (``Lane._mark``)."""
+        self.lane: Lane | None = None
+        self._room = max(settings.batch_size, MIN_QUEUED)
+        self.counted = telemetry.counting(turn.counted(settings, tp.topic))
+        self._consumed = {
+            **turn.messaging(settings, tp.topic, tp.partition),
+            "messaging.operation.name": "poll",
+            "messaging.operation.type": "receive",
+        }
+
+    def feed(self, records: list[Any]) -> None:
+        """Queue fetched records and wake the lane."""
+        floor = self.expected if self.expected is not None else -1
+        self.records.extend(r for r in records if r.offset >= floor)
+        if self.began is None and self.records:
+            self.began = self.records[0].offset
+        telemetry.consumed.add(len(records), self._consumed)
+        if self.lane is not None:
+            self.lane.wake()
+
+    @property
+    def wants_records(self) -> bool:
+        """True while less than ``batch_size`` (or MIN_QUEUED) records wait."""
+        return self.state is State.OWNED and len(self.records) < self._room
+
+    @property
+    def busy(self) -> bool:
+        """True while a turn applies records of it."""
+        return bool(self.in_flight)
+
+    @property
+    def idle(self) -> bool:
+        """True when every record fed has been applied and nothing else is asked of it."""
+        return not self.in_flight and not self.records and self.follow_to is None
+
+    def follow(self, position: int) -> None:
+        """Store ``position`` as the offset: Kafka's fetch position passed records it never
+        handed out (transaction markers, aborted transactions)."""
+        self.follow_to = position
+        if self.lane is not None:
+            self.lane.wake()
+
+    def fence(self) -> results.Fence:
+        """The fence of this partition's next transaction."""
+        return results.Fence(self.lane.group_id if self.lane else "", self.token, self.expected)
+
+    def taken_over(self, now: results.Position) -> None:
+        """The partition's row shows a newer token (found by the periodic look)."""
+        self.found = now
+        self.state = State.MOVED if offsets.is_operator(now.holder) else State.TAKEN
+
+    def oldest_unapplied(self) -> int | None:
+        """Timestamp (ms) of the oldest record fed, not committed (None: none); reads only."""
+        first = next(iter(self.records), None)  # one step: safe from the reader's thread
+        return int(first.timestamp) if first is not None else None
+
+    @property
+    def in_flight_range(self) -> str:
+        """``first-last`` offsets in flight, for the log of a shutdown that cuts them."""
+        return f"{min(self.in_flight)}-{max(self.in_flight)}" if self.in_flight else "none"
 
 
-class Boarding:
-    """A lane's transaction that other partitions' small batches may still board."""
+@dataclass
+class Work:
+    """A partition's records in one turn: the messages to claim, those to dead-letter."""
 
-    def __init__(self, room: int) -> None:
-        self.room = room
-        """Messages the transaction may still take (``batch_size`` in all)."""
-        self.riders: list[Rider] = []
+    partition: Partition
+    records: list[Any]
+    """The records taken off the partition's queue (given back if the turn is cut)."""
+    msgs: list[message_.Message]
+    dead: list[results.DeadLetter] = field(default_factory=list)
+    next_offset: int = 0
+    attempt: int = 1
+    """The handler's attempt at this work (more than 1 only for a single message)."""
 
-    def take(self, rider: Rider) -> bool:
-        """Take ``rider`` along if there is room for it."""
-        if rider.size > self.room:
-            return False
-        self.room -= rider.size
-        rider.boarded = True
-        self.riders.append(rider)
-        return True
+    def part(self) -> store.Part:
+        """The part to send, under the partition's current fence; what committed before
+        (a COMMIT whose answer was lost) is left out."""
+        floor = self.partition.expected
+        msgs, dead = self.msgs, self.dead
+        if floor is not None:
+            msgs = [m for m in msgs if m.offset >= floor]
+            dead = [d for d in dead if d.msg.offset >= floor]
+        p = self.partition
+        return store.Part(p.tp.topic, p.tp.partition, p.fence(), msgs, dead, self.next_offset)
+
+    @property
+    def done(self) -> bool:
+        """True when the partition's stored offset passed this work (or it isn't ours)."""
+        p = self.partition
+        if p.state is not State.OWNED:
+            return True
+        return p.expected is not None and p.expected >= self.next_offset
 
 
 class Lane:
-    """A connection of the consumer's, kept from one transaction to the next."""
+    """One connection, one task, and the partitions placed on it."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(
+        self,
+        index: int,
+        pool: Any,
+        settings: turn.Settings,
+        stats: MutableMapping[str, int],
+        on_room: Callable[[TopicPartition], None],
+    ) -> None:
+        self.index = index
+        self.group_id = settings.group_id
+        self.partitions: dict[TopicPartition, Partition] = {}
         self._pool = pool
+        self._s = settings
+        self._stats = stats
+        self._on_room = on_room
         self._conn: asyncpg.Connection | None = None
-        self._dirty = False
-        self.shared = False
-        """Lent while other lanes may run: the batch's lock waits are cut at LOCK_WAIT."""
+        self._more = asyncio.Event()
+        self._stopping = False
+        self._next = 0  # the partition served first in the next turn
+        self.task: asyncio.Task[None] | None = None
+        self.rested = asyncio.Event()
+        """Set while no turn runs (none began, or the last one ended)."""
+        self.rested.set()
+
+    # ------------------------------------------------------------ lifecycle --
+
+    def start(self) -> None:
+        """Start taking turns."""
+        self._stopping = False
+        self.task = asyncio.create_task(self._run(), name=f"dedup lane {self.index}")
+
+    def wake(self) -> None:
+        """Records (or an offset to follow) came for a partition of this lane."""
+        self._more.set()
+
+    def stop(self) -> None:
+        """Take no further turn; the one running goes on (the caller bounds how long)."""
+        self._stopping = True
+        self._more.set()
+
+    def add(self, partition: Partition) -> None:
+        partition.lane = self
+        self.partitions[partition.tp] = partition
+        if partition.records:
+            self.wake()
+
+    def remove(self, partition: Partition) -> None:
+        if self.partitions.get(partition.tp) is partition:
+            del self.partitions[partition.tp]
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # The turn rolled back on the way here; its marks stay, so the exit
+            # counts against the message across restarts (_mark).
+            log.warning("a handler on lane %d ended the process (%r); stopping", self.index, exc)
+            raise handler_.HandlerExit(exc) from exc
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            await self._more.wait()
+            if self._stopping:
+                return
+            work = self._take()
+            if not work:
+                self._more.clear()
+                continue
+            self.rested.clear()
+            try:
+                if await self._marked(work):
+                    # A partition turned out to lie where an earlier holder died: it
+                    # runs alone, a message at a time, from the next turn on.
+                    self._give_back(work)
+                    continue
+                await self._apply(work)
+            except asyncio.CancelledError:
+                self._give_back(work)
+                await self._unmark(work)
+                raise
+            finally:
+                self.rested.set()
+                for w in work:
+                    w.partition.in_flight = []
+
+    # ---------------------------------------------------------------- turns --
+
+    def _take(self) -> list[Work]:
+        """The next turn's work: up to ``batch_size`` records of this lane's partitions.
+
+        A partition in a stretch where an earlier holder died runs alone, one
+        message at a time (:meth:`_mark`).
+        """
+        owned = [p for p in self.partitions.values() if p.state is State.OWNED]
+        if not owned:
+            return []
+        start = self._next % len(owned)
+        order = owned[start:] + owned[:start]
+        self._next += 1
+        budget = self._s.batch_size
+        work: list[Work] = []
+        for p in order:
+            if p.single and p.records:
+                if work:
+                    continue  # alone, in a turn of its own
+                return [self._work(p, 1)]
+            if budget <= 0:
+                break
+            if p.records:
+                w = self._work(p, budget)
+                budget -= len(w.records)
+                work.append(w)
+            elif p.follow_to is not None:
+                to, p.follow_to = p.follow_to, None
+                if p.expected is None or to > p.expected:
+                    work.append(Work(p, [], [], next_offset=to))
+        return work
+
+    def _work(self, p: Partition, most: int) -> Work:
+        """Take up to ``most`` records off ``p``'s queue; their keys, or why there is none."""
+        queue = p.records
+        records = [queue.popleft() for _ in range(min(most, len(queue)))]
+        self._on_room(p.tp)
+        floor = p.expected if p.expected is not None else -1
+        msgs: list[message_.Message] = []
+        dead: list[results.DeadLetter] = []
+        for record in records:
+            if record.offset < floor:
+                continue
+            msg = message_.Message.from_record(record)
+            letter = store.take_key(self._s.key, self._s.on_missing_key, msg)
+            if letter is None:
+                msgs.append(msg)
+            else:
+                dead.append(letter)
+        p.in_flight = [r.offset for r in records]
+        next_offset = max(records[-1].offset + 1, p.follow_to or 0)
+        p.follow_to = None
+        return Work(p, records, msgs, dead, next_offset)
+
+    async def _apply(self, work: list[Work]) -> None:
+        """Apply ``work`` in one transaction, as :mod:`dedup._retry` says when it fails."""
+        tries = 0
+        while True:
+            work = [w for w in work if not w.done]
+            if not work:
+                return
+            parts = [w.part() for w in work]
+            conn = await self.connection()
+            try:
+                found = await turn.run(conn, self._s, parts, self._stats)
+            except retry.Refused as exc:
+                refused = [
+                    w for w, p in zip(work, parts, strict=True) if any(p is r for r in exc.parts)
+                ]
+                await self._refused(refused)
+                continue
+            except retry.HandlerFailed as exc:
+                rule = retry.decide(exc.error, in_handler=True)
+                if rule.action is retry.Action.SPLIT:
+                    await self._isolate(work, parts, exc)
+                    return
+                tries += 1
+                await self._again(rule, exc.error, tries)
+            except Exception as exc:
+                rule = retry.decide(exc, in_handler=False)
+                if rule.action is retry.Action.STOP:
+                    raise
+                tries += 1
+                await self._again(rule, exc, tries)
+            else:
+                for w, result in zip(work, found, strict=True):
+                    w.partition.expected = result.next_offset
+                    if (
+                        w.partition.marked is not None
+                        and (result.next_offset or 0) > w.partition.marked
+                    ):
+                        w.partition.marked = None  # committed past the mark
+                return
+
+    async def _again(self, rule: retry.Rule, exc: BaseException, tries: int) -> None:
+        """Count a transient failure and wait before the turn runs again."""
+        self._stats["retries"] += 1
+        attributes = next(iter(self.partitions.values())).counted if self.partitions else {}
+        telemetry.retries.add(1, attributes)
+        if rule.counted == "deadlocks":
+            self._stats["deadlocks"] += 1
+            telemetry.deadlocks.add(1, attributes)
+        if rule.fresh_connection:
+            await self.release()
+        delay = retry.backoff(tries)
+        telemetry.transition("retried", {"error": handler_.describe(exc)})
+        log.warning(
+            "lane %d: a transaction failed (%s: %r); running it again in %.2fs",
+            self.index,
+            rule.what,
+            exc,
+            delay,
+        )
+        await asyncio.sleep(delay)
+
+    async def _isolate(
+        self, work: list[Work], parts: Sequence[store.Part], failure: retry.HandlerFailed
+    ) -> None:
+        """A handler failed: run the turn again in smaller pieces to find its message.
+
+        Partition by partition first; then the failing partition's batch in
+        halves, or around the message the per-message handler names; a single
+        message gets ``max_attempts``, then is dead-lettered and its partition
+        moves on.
+        """
+        if len(work) > 1:
+            log.info("lane %d: a handler failed in a turn of %d partitions", self.index, len(work))
+            failed = next(
+                (w for w, p in zip(work, parts, strict=True) if p is failure.partition), None
+            )
+            for w in sorted(work, key=lambda w: w is failed):  # the failing one last
+                await self._apply([w])
+            return
+        [w] = work
+        if len(w.msgs) > 1:
+            log.info(
+                "handler failed on a batch of %d from %s; splitting", len(w.msgs), w.partition.tp
+            )
+            offsets_ = [m.offset for m in w.msgs]
+            culprit = handler_.failed_offset(failure.error)
+            for start, stop in retry.halves(offsets_, culprit):
+                await self._apply([self._piece(w, start, stop)])
+            return
+        msg = w.msgs[0]
+        if w.attempt < self._s.max_attempts:
+            self._stats["retries"] += 1
+            telemetry.retries.add(1, w.partition.counted)
+            telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": w.attempt + 1})
+            await asyncio.sleep(retry.backoff(w.attempt, retry.HANDLER_BACKOFF))
+            await self._apply(
+                [Work(w.partition, w.records, w.msgs, w.dead, w.next_offset, w.attempt + 1)]
+            )
+            return
+        described = handler_.describe(failure.error)
+        log.warning(
+            "dead-lettering %s after %d attempts: %s", msg.where, self._s.max_attempts, described
+        )
+        letter = results.DeadLetter(
+            msg,
+            f"handler failed {self._s.max_attempts} times",
+            error=described,
+            attempts=self._s.max_attempts,
+        )
+        await self._apply([Work(w.partition, w.records, [], [*w.dead, letter], w.next_offset)])
+
+    def _piece(self, w: Work, start: int, stop: int) -> Work:
+        """The messages ``start:stop`` of ``w``, with its dead letters up to the next piece."""
+        msgs = w.msgs[start:stop]
+        low = msgs[0].offset if start else None
+        high = w.msgs[stop].offset if stop < len(w.msgs) else None
+        dead = [
+            d
+            for d in w.dead
+            if (low is None or d.msg.offset >= low) and (high is None or d.msg.offset < high)
+        ]
+        return Work(w.partition, w.records, msgs, dead, w.next_offset if high is None else high)
+
+    async def _refused(self, refused: list[Work]) -> None:
+        """The fence refused these partitions: what their rows say happened
+        (:mod:`dedup._refusal`)."""
+        conn = await self.connection()
+        for w in refused:
+            p = w.partition
+            now = await self._s.store.position(conn, self._s.group_id, p.tp.topic, p.tp.partition)
+            verdict = refusal.judge(now, p.token, p.expected)
+            if verdict == refusal.LANDED and now is not None and now.next_offset is not None:
+                log.info("%s: a write in doubt had landed; resuming at %d", p.tp, now.next_offset)
+                p.expected = now.next_offset
+            elif verdict == refusal.MOVED:
+                p.found, p.state = now, State.MOVED
+            elif verdict == refusal.FORGOTTEN:
+                p.found, p.state = refusal.resume_at(now, p, self._s.holder), State.FORGOTTEN
+            else:
+                p.state = State.TAKEN
+                exc = errors.StaleTokenError(
+                    f"{self._s.group_id}:{p.tp.topic}:{p.tp.partition}", p.token
+                )
+                self._stats["stale"] += 1
+                telemetry.stale_rejections.add(1, p.counted)
+                log.warning("consumer %s: %s", self._s.holder, exc)
+                await refusal.record_stale(conn, self._s, exc, p.token, p.expected)
+
+    def _give_back(self, work: list[Work]) -> None:
+        """A cut turn's records go back to their partitions' queues, first in line."""
+        for w in work:
+            p = w.partition
+            if p.state is State.OWNED:
+                floor = p.expected if p.expected is not None else -1
+                p.records.extendleft(reversed([r for r in w.records if r.offset >= floor]))
+
+    # ---------------------------------------------------------------- marks --
+
+    async def _marked(self, work: list[Work]) -> bool:
+        """Mark where each partition's turn starts, where it must (see :meth:`_mark`).
+
+        True when a partition of a larger turn turned out to lie in a stretch to
+        apply one message at a time: the turn must be taken again.
+        """
+        for w in work:
+            p = w.partition
+            if not p.watching or not w.records:
+                continue
+            head = w.records[0].offset
+            was_single = p.single
+            if p.marked != head:  # marked once per start offset, or it counts a death
+                p.exits = await self._mark(p, head)
+            if p.single and (not was_single or len(work) > 1 or len(w.records) > 1):
+                return True
+            if p.exits >= self._s.max_attempts and w.msgs and w.msgs[0].offset == head:
+                self._dead_on_exit(w, p.exits)
+        return False
+
+    async def _mark(self, p: Partition, head: int) -> int:
+        """Mark where the next turn of ``p`` starts; how often the process ended there before.
+
+        A message whose handling ends the process (``SystemExit`` from a handler,
+        a signal, an out-of-memory kill) rolls its turn back, and the restart
+        meets it again: nothing in memory survives to count with.  So before its
+        first turn a holder records, committed on its own, where that turn
+        starts (``mark_start``).  Finding that an earlier holder started there
+        and died, it applies the next ``batch_size`` offsets one message at a
+        time, alone in its turn, marking each, so the next death names its
+        message.  A message that ended the process ``max_attempts`` times is
+        dead-lettered unhandled, and the partition moves on.
+        """
+        try:
+            conn = await self.connection()
+            fence = p.fence()
+            marked = await self._s.store.mark_start(
+                conn,
+                fence,
+                p.tp.topic,
+                p.tp.partition,
+                offset=head,
+                stretch=self._s.batch_size,
+            )
+        except Exception as exc:
+            if retry.decide(exc, in_handler=False).action is not retry.Action.AGAIN:
+                raise
+            log.warning("marking where %s starts failed (%r); applying unmarked", p.tp, exc)
+            return 0
+        if marked is None:
+            return 0  # not ours any more: the turn's fence finds out who has it
+        p.marked = head
+        starts, single = marked
+        if single and not p.single:
+            log.warning(
+                "%s: the process ended while handling offset %d or the batch it began; "
+                "applying one message at a time from there",
+                p.tp,
+                head,
+            )
+        p.single = p.watching = single
+        return starts - 1
+
+    def _dead_on_exit(self, w: Work, exits: int) -> None:
+        msg = w.msgs.pop(0)
+        letter = results.DeadLetter(
+            msg,
+            f"the process ended {exits} times while handling it",
+            error="the process ended (SystemExit or KeyboardInterrupt from the handler, "
+            "a signal, an out-of-memory kill?); see the consumer's log",
+            attempts=exits,
+        )
+        log.error("dead-lettering %s: %s", msg.where, letter.reason)
+        w.dead.insert(0, letter)
+
+    async def _unmark(self, work: list[Work]) -> None:
+        """A clean stop or a revoke cut the turn: its marks were no death."""
+        for w in work:
+            p = w.partition
+            if p.marked is None:
+                continue
+            try:
+                conn = await self.connection()
+                await self._s.store.unmark_start(
+                    conn, p.fence(), p.tp.topic, p.tp.partition, p.marked
+                )
+            except Exception as exc:  # the next holder counts one attempt too many, no more
+                log.info("taking back the mark of %s at %d failed (%r)", p.tp, p.marked, exc)
+
+    # ----------------------------------------------------------- connection --
 
     async def connection(self) -> asyncpg.Connection:
         """The lane's connection, (re)acquired from the pool when it has none or lost it.
 
-        Nothing is set on the session: each transaction sets what it needs
-        (``SET LOCAL``), which a pooler in transaction mode keeps too.  What a
-        handler set on it is reset first (:meth:`used`).
+        Nothing is set on the session: each transaction sets what it needs for
+        itself, and resets what the handler set before its COMMIT (:mod:`dedup._turn`).
         """
-        if self._conn is not None and self._dirty:
-            await self._reset()
         if self._conn is None or not _usable(self._conn):
             await self.release()
             self._conn = await self._pool.acquire()
         return self._conn
 
-    def used(self) -> None:
-        """A handler ran on the connection: reset its session before the lane's next use."""
-        self._dirty = True
-
-    async def _reset(self) -> None:
-        """Undo what a handler set on the session (:meth:`used`), before the next transaction.
-
-        The lane keeps its connection, so a handler's ``SET search_path``,
-        ``SET ROLE`` or ``SET SESSION CHARACTERISTICS`` would otherwise meet every
-        later message.  This runs what asyncpg's pool runs when a connection is
-        given back (``Connection.get_reset_query``: ``RESET ALL``, advisory locks
-        unlocked, cursors closed, ``UNLISTEN *``), and ``RESET ROLE``, which
-        ``RESET ALL`` leaves alone.  Settings the pool or the DSN gives the
-        session at connect time (``server_settings``) are its defaults, and stay.
-        A connection that fails here is given back: the next transaction gets a
-        fresh one.
-        """
-        conn, self._dirty = self._conn, False
-        if conn is None or not _usable(conn):
-            return
-        try:
-            await db.queries().reset_session.execute(conn)
-        except Exception:
-            log.warning("resetting a lane's session failed; taking a fresh connection")
-            await self.release()
-
     async def release(self) -> None:
-        """Give the connection back (after a transient failure: start again on a fresh one)."""
+        """Give the connection back (after a lost connection: start again on a fresh one)."""
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -231,154 +616,31 @@ class Lane:
                 conn.terminate()
 
 
-class Lanes:
-    """Lends up to ``size`` lanes side by side; after a deadlock, hands out turns."""
-
-    def __init__(self, pool: Any, size: int) -> None:
-        self.size = size
-        self._free = [Lane(pool) for _ in range(size)]
-        self._all = list(self._free)
-        self._serial_until = 0.0
-        self._cooldown = SERIAL_COOLDOWN
-        self._incident = -LOCK_WAITS_WINDOW  # when the last incident of lock waits began
-        self._no_riders_until = 0.0
-        self._changed = asyncio.Condition()
-        self._turns = asyncio.Lock()
-        self._boarding: Boarding | None = None
-        self._waiting: list[Rider] = []
-
-    @property
-    def serial(self) -> bool:
-        """True while handlers take turns (after a deadlock; see the module docstring)."""
-        return time.monotonic() < self._serial_until
-
-    def turn(self, group_id: str) -> Turn | None:
-        """The turn a batch starting now waits for before its handler (None: no turns)."""
-        return Turn(self._turns, group_id) if self.serial else None
-
-    @contextlib.asynccontextmanager
-    async def lane(self) -> AsyncIterator[Lane]:
-        """Borrow a lane, waiting for one to be free."""
-        async with self.lane_or_ride(None) as lane:
-            assert lane is not None  # noqa: S101 - only a rider rides
-            yield lane
-
-    @contextlib.asynccontextmanager
-    async def lane_or_ride(self, rider: Rider | None) -> AsyncIterator[Lane | None]:
-        """Borrow a lane, or let ``rider`` ride in another lane's transaction.
-
-        The rider boards a transaction being gathered (:meth:`gather`) when one
-        has room, at once or while it waits for a lane: then this yields None,
-        and the rider's ``seat`` tells how it went.
-        """
-        async with self._changed:
-            if rider is None or self._boarding is None or not self._boarding.take(rider):
-                if rider is not None:
-                    self._waiting.append(rider)
-                try:
-                    await self._changed.wait_for(
-                        lambda: bool(self._free) or (rider is not None and rider.boarded)
-                    )
-                finally:
-                    if rider is not None and not rider.boarded:
-                        self._waiting.remove(rider)
-            if rider is not None and rider.boarded:
-                lane = None
-            else:
-                lane = self._free.pop()
-                lane.shared = self.size > 1 and not self.serial
-        if lane is None:
-            yield None
-            return
-        try:
-            yield lane
-        finally:
-            async with self._changed:
-                self._free.append(lane)
-                self._changed.notify()
-
-    async def gather(self, room: int) -> list[Rider]:
-        """Take other partitions' batches along in the transaction a lane is about to run.
-
-        Called with a lane in hand, for a batch that leaves ``room`` messages
-        of ``batch_size``.  The riders are the small batches of workers waiting
-        for a lane, and of those that come for one during one turn of the event
-        loop: the records of one fetch reach every partition's worker in the
-        same turn.  So a live stream costs about one transaction per fetch, as a
-        hand-written loop's does, not one per partition.  Only small batches
-        gather or ride (:data:`RIDER_SHARE`, the worker's choice); nobody rides
-        while the lanes are serial (handlers take turns there).
-
-        The caller tells each rider's ``seat`` how its transaction went (:func:`tell`).
-        """
-        if room <= 0 or self.serial or self._boarding is not None:
-            return []
-        if time.monotonic() < self._no_riders_until:
-            return []
-        boarding = Boarding(room)
-        async with self._changed:
-            for rider in [r for r in self._waiting if boarding.take(r)]:
-                self._waiting.remove(rider)
-            if boarding.riders:
-                self._changed.notify_all()
-        self._boarding = boarding
-        try:
-            await asyncio.sleep(0)
-        except BaseException:
-            tell(boarding.riders, False)
-            raise
-        finally:
-            self._boarding = None
-        return boarding.riders
-
-    def riders_too_slow(self) -> None:
-        """A shared transaction's handlers ran past their time: its batches' handlers would
-        rather run side by side on the lanes, so nobody rides for :data:`RIDERS_PAUSE`."""
-        self._no_riders_until = time.monotonic() + RIDERS_PAUSE
-        log.info("handlers too slow to share a transaction; nobody rides for %.0fs", RIDERS_PAUSE)
-
-    def waited(self) -> None:
-        """A batch on a shared lane waited past LOCK_WAIT: serial at the second incident."""
-        now = time.monotonic()
-        since = now - self._incident
-        if since <= LOCK_WAIT_INCIDENT:
-            return  # other lanes queued behind the same rows
-        if since <= LOCK_WAITS_WINDOW:
-            self.deadlocked()
+def place(
+    partitions: Sequence[TopicPartition],
+    lanes: Sequence[Lane],
+    before: MutableMapping[TopicPartition, int],
+) -> dict[TopicPartition, Lane]:
+    """The lane of each partition: the one it had ``before`` where that keeps the lanes even,
+    else the lane with the fewest partitions (sticky across rebalances)."""
+    load = {lane.index: len(lane.partitions) for lane in lanes}
+    most = -(-(sum(load.values()) + len(partitions)) // len(lanes))  # ceiling
+    placed: dict[TopicPartition, Lane] = {}
+    rest = []
+    for tp in sorted(partitions):
+        index = before.get(tp)
+        if index is not None and index < len(lanes) and load[index] < most:
+            placed[tp] = lanes[index]
+            load[index] += 1
         else:
-            log.info("a lock wait past %.1fs; the batch runs again beside the others", LOCK_WAIT)
-        self._incident = now
-
-    def deadlocked(self) -> None:
-        """Two lanes deadlocked: handlers take turns for a while (longer each time it recurs)."""
-        now = time.monotonic()
-        if now < self._serial_until:
-            # A transaction opened before the lanes turned serial: the same
-            # tangle as the deadlock that started the cool-down, not a new one.
-            return
-        if now < self._serial_until + self._cooldown:
-            self._cooldown = min(self._cooldown * 2, MAX_SERIAL_COOLDOWN)
-        else:
-            self._cooldown = SERIAL_COOLDOWN
-        self._serial_until = now + self._cooldown
-        log.info("lanes ran into each other's locks; handlers take turns for %.0fs", self._cooldown)
-
-    async def close(self) -> None:
-        """Give every lane's connection back."""
-        for lane in self._all:
-            await lane.release()
-
-    def terminate(self) -> None:
-        """Close every lane's connection at once (a shutdown that ran out of time)."""
-        for lane in self._all:
-            lane.terminate()
-
-
-def tell(riders: list[Rider], committed: bool) -> None:
-    """Tell the workers of batches that rode in a transaction how it went."""
-    for rider in riders:
-        if not rider.seat.done():  # a rider cancelled meanwhile is not waiting any more
-            rider.seat.set_result(committed)
+            rest.append(tp)
+    for tp in rest:
+        index = min(load, key=lambda i: (load[i], i))
+        placed[tp] = lanes[index]
+        load[index] += 1
+    for tp, lane in placed.items():
+        before[tp] = lane.index
+    return placed
 
 
 def _usable(conn: asyncpg.Connection) -> bool:

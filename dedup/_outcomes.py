@@ -8,17 +8,15 @@ one span event per batch, never written (a replay would double the writes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 
 from dedup import _events as events
 from dedup import _message as message_
+from dedup import _results as store
 from dedup import _sql as sql
 from dedup import _telemetry as telemetry
-
-if TYPE_CHECKING:
-    from dedup import _store as store
 
 DUPLICATE_KEYS_SHOWN = 20
 """How many keys a batch's ``dedup.duplicate`` span event lists (its count has them all)."""

@@ -1,6 +1,6 @@
 """What a partition's row says happened, read after a refused fence or by the periodic look.
 
-A worker's fence (its token, and the offset it last stored) fails for one of
+A partition's fence (its token, and the offset it last stored) fails for one of
 four reasons, told apart by the row (:func:`judge`):
 
 ``LANDED``     a COMMIT of ours succeeded on the server but its answer never came
@@ -21,19 +21,40 @@ four reasons, told apart by the row (:func:`judge`):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from aiokafka.structs import TopicPartition
 
 from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _offsets as offsets
-from dedup import _store as store
+from dedup import _results as store
 from dedup import _telemetry as telemetry
 
-if TYPE_CHECKING:
-    from dedup import _lanes as lanes
-    from dedup import _worker as worker
 
-log = logging.getLogger("dedup.worker")
+class Held(Protocol):
+    """A partition as its holder knows it (:class:`dedup._lanes.Partition`)."""
+
+    tp: TopicPartition
+    token: int
+    expected: int | None
+    began: int | None
+
+
+class Recorder(Protocol):
+    """What recording a refusal needs of the consumer's settings."""
+
+    @property
+    def group_id(self) -> str: ...
+
+    @property
+    def holder(self) -> str: ...
+
+    @property
+    def store(self) -> Any: ...
+
+
+log = logging.getLogger("dedup.consumer")
 
 LANDED = "landed"
 MOVED = "moved"
@@ -55,11 +76,9 @@ def judge(now: store.Position | None, token: int, expected: int | None) -> str:
     return TAKEN
 
 
-def resume_at(
-    now: store.Position | None, owner: worker.PartitionWorker, holder: str
-) -> store.Position:
+def resume_at(now: store.Position | None, owner: Held, holder: str) -> store.Position:
     """Where to take a FORGOTTEN partition back from: its row, or, with no row (nothing of
-    the partition survived), the offset its worker began at."""
+    the partition survived), the offset its holder began at."""
     log.warning(
         "%s: Postgres holds %s, behind our token %d offset %s: our last commits were lost "
         "(a failover?); consuming again from its offset",
@@ -72,19 +91,18 @@ def resume_at(
 
 
 async def record_stale(
-    lane: lanes.Lane,
-    settings: worker.Settings,
+    conn: Any,
+    settings: Recorder,
     exc: errors.StaleTokenError,
     token: int,
     expected: int | None,
 ) -> None:
     """Record that the fence refused a stale holder (``stale_rejected``), if Postgres can be
-    reached; the worker stops either way."""
+    reached; the partition is dropped either way."""
     try:
         with telemetry.tracer.start_as_current_span(
             "dedup stale", attributes={"messaging.consumer.group.name": settings.group_id}
         ):
-            conn = await lane.connection()
             await settings.store.stale_rejected(
                 conn, exc.resource, holder=settings.holder, token=token, expected=expected
             )

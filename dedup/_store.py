@@ -1,17 +1,17 @@
-"""What happens inside one batch transaction, for the consumer and for ``wrap``.
+"""dedup's statements in the consumer's transactions, and in ``wrap`` and ``claim``.
 
-The caller opens the transaction; :meth:`Store.apply` then, on that connection:
+In one consumer transaction (:mod:`dedup._turn`), :meth:`Store.fence_and_claim`
+sends **one** statement for every partition of the turn: each partition's
+offset moves only under its current token and from where this holder left it
+(the fence), and the keys of the fenced partitions are claimed with one
+set-based ``INSERT ... ON CONFLICT``, in key order.  It answers which
+partitions were fenced and, of the keys, only those seen before (duplicates
+and conflicts): on the happy path nothing comes back but the fence.  After the
+handler, :meth:`Store.record_outcomes` writes the dead letters and the events
+of conflicts and dead letters (:mod:`dedup._outcomes`).
 
-1. fences and claims in one statement (``fence_and_claim``): the partition's
-   offset moves only under the current token, and the batch's keys are claimed
-   with one set-based ``INSERT ... ON CONFLICT``;
-2. runs the handler for the fresh keys only, in offset order (after a
-   deadlock, first waiting for the group's turn: :mod:`dedup._lanes`);
-3. writes dead letters and the events of conflicts and dead letters
-   (:mod:`dedup._outcomes`).
-
-If the fence fails nothing was written and :class:`dedup.StaleTokenError` is
-raised, so the caller's transaction rolls back.
+:meth:`Store.claim` claims keys of any partitions without a fence, in the
+caller's transaction (``dedup.claim``, ``wrap``).
 """
 
 from __future__ import annotations
@@ -20,21 +20,27 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import asyncpg
 
 from dedup import _errors as errors
 from dedup import _events as events
 from dedup import _faults as faults
-from dedup import _handler as handler_
-from dedup import _lanes as lanes
 from dedup import _message as message_
 from dedup import _outcomes as outcomes
+from dedup import _results as results
 from dedup import _sql as sql
 from dedup import _telemetry as telemetry
+from dedup import keys
 
 log = logging.getLogger("dedup.store")
+
+# The values of a batch, by the names the rest of dedup (and the chaos suite) knows.
+DeadLetter = results.DeadLetter
+Fence = results.Fence
+Position = results.Position
+BatchResult = results.BatchResult
 
 
 def payload_hash(value: bytes) -> bytes:
@@ -42,53 +48,52 @@ def payload_hash(value: bytes) -> bytes:
     return hashlib.blake2b(value, digest_size=16).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """A message that will not be applied, and why."""
-
-    msg: message_.Message
-    """The whole record."""
-    reason: str
-    """Why, in words an operator can act on."""
-    error: str | None = None
-    """The exception, if one was raised."""
-    attempts: int = 1
-    """How many times it was tried."""
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:
-    """The partition lease a consumer batch runs under."""
-
-    group_id: str
-    """The consumer group."""
-    token: int
-    """This holder's fencing token for the partition."""
-    expected: int | None
-    """The partition's ``next_offset`` as this holder last left it (None: never set)."""
-
-
-class Position(NamedTuple):
-    """A partition's row in ``partitions``: who holds it, and where its offset stands."""
-
-    holder: str
-    """The consumer (or ``dedup offsets`` command) that took it last."""
-    token: int
-    """The current fencing token."""
-    next_offset: int | None
-    """The next offset to consume (None: never set)."""
+def take_key(
+    strategy: keys.Strategy, on_missing_key: str, msg: message_.Message
+) -> results.DeadLetter | None:
+    """Set ``msg.idempotency_key``; return a dead letter when there is none to set."""
+    try:
+        msg.idempotency_key = keys.extract(strategy, msg)
+    except errors.KeyExtractionError as exc:
+        if on_missing_key == "offset":
+            msg.idempotency_key = msg.where
+            return None
+        return results.DeadLetter(msg, f"no idempotency key: {exc}")
+    return None
 
 
 @dataclass(slots=True)
-class BatchResult:
-    """What one committed batch did."""
+class Part:
+    """One partition's share of a consumer transaction: its messages under its fence.
 
-    applied: list[message_.Message] = field(default_factory=list)
-    duplicates: list[message_.Message] = field(default_factory=list)
-    conflicts: list[message_.Message] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-    next_offset: int | None = None
-    """Where the partition's offset stands once this batch commits."""
+    ``msgs`` have their keys set; ``dead`` are to be dead-lettered instead;
+    together they are consecutive records of the partition, in offset order.
+    With neither, the part only moves the offset to ``next_offset`` (records
+    Kafka never hands out: transaction markers, aborted transactions).
+    """
+
+    topic: str
+    partition: int
+    fence: results.Fence
+    msgs: list[message_.Message]
+    dead: list[results.DeadLetter] = field(default_factory=list)
+    next_offset: int = 0
+    """Where the partition's offset stands once the part commits."""
+
+    @property
+    def size(self) -> int:
+        """Messages and dead letters."""
+        return len(self.msgs) + len(self.dead)
+
+    def fault_spot(self, conn: Any) -> dict[str, Any]:
+        """What the fence's fault points (:mod:`dedup._faults`) are told."""
+        return dict(
+            conn=conn,
+            fence=self.fence,
+            topic=self.topic,
+            partition=self.partition,
+            next_offset=self.next_offset,
+        )
 
 
 class Store:
@@ -138,16 +143,20 @@ class Store:
 
     async def position(
         self, conn: asyncpg.Connection, group_id: str, topic: str, partition: int
-    ) -> Position | None:
+    ) -> results.Position | None:
         """Who holds the partition and where its offset stands, or None if it has no row."""
         row = await self.queries.partition_position.fetchrow(
             conn, group_id=group_id, topic=topic, partition=partition
         )
-        return None if row is None else Position(row["holder"], row["token"], row["next_offset"])
+        return (
+            None
+            if row is None
+            else results.Position(row["holder"], row["token"], row["next_offset"])
+        )
 
     async def positions(
         self, conn: asyncpg.Connection, group_id: str, partitions: Sequence[tuple[str, int]]
-    ) -> dict[tuple[str, int], Position]:
+    ) -> dict[tuple[str, int], results.Position]:
         """:meth:`position` of each of ``partitions`` that has a row, in one statement.
 
         The consumer's periodic owner look (fault point ``OWNER_LOOK``).
@@ -162,7 +171,9 @@ class Store:
             partitions=[p for _, p in partitions],
         )
         return {
-            (r["topic"], r["partition"]): Position(r["holder"], r["token"], r["next_offset"])
+            (r["topic"], r["partition"]): results.Position(
+                r["holder"], r["token"], r["next_offset"]
+            )
             for r in rows
         }
 
@@ -190,7 +201,7 @@ class Store:
     async def mark_start(
         self,
         conn: asyncpg.Connection,
-        fence: Fence,
+        fence: results.Fence,
         topic: str,
         partition: int,
         *,
@@ -216,7 +227,12 @@ class Store:
         return None if row is None else (int(row["starts"]), bool(row["single"]))
 
     async def unmark_start(
-        self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, offset: int
+        self,
+        conn: asyncpg.Connection,
+        fence: results.Fence,
+        topic: str,
+        partition: int,
+        offset: int,
     ) -> None:
         """Take back the attempt :meth:`mark_start` counted at ``offset`` (no death cut it)."""
         await self.queries.unmark_start.execute(
@@ -228,186 +244,132 @@ class Store:
             offset=offset,
         )
 
-    async def advance(
-        self, conn: asyncpg.Connection, fence: Fence, topic: str, partition: int, next_offset: int
-    ) -> None:
-        """Move the partition's offset to ``next_offset`` under ``fence``, claiming nothing.
+    async def fence_and_claim(
+        self, conn: asyncpg.Connection, parts: Sequence[Part], idle_timeout: float
+    ) -> tuple[list[Part], list[results.BatchResult]]:
+        """Fence every part and claim the keys of those fenced, in one statement.
 
-        For records Kafka never hands out (transaction markers, aborted
-        transactions, compacted gaps).  Raises :class:`dedup.StaleTokenError`
-        when the fence does not hold.
+        Returns the parts the fence refused (none of their keys was claimed:
+        the caller rolls back and runs the rest again) and, for each part, what
+        its keys turned out to be: fresh (``applied``, in offset order),
+        duplicates or conflicts.  ``idle_timeout`` (seconds) is the
+        transaction's ``idle_in_transaction_session_timeout`` from this, its
+        first statement, on; nothing else is set on the user's transaction.
         """
-        spot = dict(conn=conn, fence=fence, topic=topic, partition=partition)
-        spot["next_offset"] = next_offset
-        await faults.point(faults.Point.BEFORE_FENCE, **spot)
-        where = dict(group_id=fence.group_id, topic=topic, partition=partition)
-        fenced = await self.queries.advance_partition.fetchval(
-            conn, **where, next_offset=next_offset, token=fence.token, expected=fence.expected
-        )
-        await faults.point(faults.Point.AFTER_FENCE, **spot)
-        if fenced is None:
-            raise errors.StaleTokenError(f"{fence.group_id}:{topic}:{partition}", fence.token)
-
-    async def apply(
-        self,
-        conn: asyncpg.Connection,
-        msgs: Sequence[message_.Message],
-        *,
-        handler: handler_.MessageHandler | handler_.BatchHandler,
-        batch_handler: bool,
-        fence: Fence | None,
-        dead: Sequence[DeadLetter] = (),
-        handler_timeout: float | None = None,
-        idle_timeout: float | None = None,
-        lock_timeout: float | None = None,
-        turn: lanes.Turn | None = None,
-    ) -> BatchResult:
-        """Apply one batch inside the caller's open transaction (see the module docstring).
-
-        ``msgs`` have their idempotency keys set; ``dead`` are messages of the same
-        partition to dead-letter instead of applying.  All of them are consecutive
-        records of one partition.  ``idle_timeout`` and ``lock_timeout`` (seconds)
-        are the transaction's ``idle_in_transaction_session_timeout`` and
-        ``lock_timeout`` from its first statement on (None: the session's own).
-        ``turn``: the handler first waits for it (the lanes turned serial); the
-        caller ends it when the transaction ends.
-        """
-        result = BatchResult(dead_letters=list(dead))
-        first, copies = _first_copies(msgs)
-        offsets = [m.offset for m in msgs] + [d.msg.offset for d in dead]
-        if not offsets:
-            return result
-        result.next_offset = max(offsets) + 1
-        any_msg = msgs[0] if msgs else dead[0].msg
-        spot: dict[str, Any] = {"conn": conn, "fence": fence, "topic": any_msg.topic}
-        spot.update(partition=any_msg.partition, next_offset=result.next_offset)
-        if fence is not None:
-            await faults.point(faults.Point.BEFORE_FENCE, **spot)
-        # Claim in key order: two batches that share keys then lock them in the
-        # same order and can't deadlock.
-        keys = sorted(first)
+        for part in parts:
+            await faults.point(faults.Point.BEFORE_FENCE, **part.fault_spot(conn))
+        first, copies = _first_copies(parts)
+        # Claim in key order: two transactions that share keys then lock them in
+        # the same order and can't deadlock on the claim.
+        claimed = sorted(first)
         rows = await self.queries.fence_and_claim.fetch(
             conn,
-            group_id=fence.group_id if fence else None,
-            topic=any_msg.topic,
-            partition=any_msg.partition,
-            next_offset=result.next_offset,
-            token=fence.token if fence else None,
-            expected=fence.expected if fence else None,
+            group_id=parts[0].fence.group_id,
+            topics=[p.topic for p in parts],
+            partitions=[p.partition for p in parts],
+            tokens=[p.fence.token for p in parts],
+            expected=[p.fence.expected for p in parts],
+            next_offsets=[p.next_offset for p in parts],
             namespace=self.namespace,
-            keys=keys,
-            offsets=[first[k][0].offset for k in keys],
-            hashes=[first[k][1] for k in keys],
-            topics=None,
-            partitions=None,
-            idle_timeout_ms=_milliseconds(idle_timeout),
-            lock_timeout_ms=_milliseconds(lock_timeout),
+            keys=claimed,
+            offsets=[first[k][0].offset for k in claimed],
+            hashes=[first[k][1] for k in claimed],
+            parts=[first[k][2] + 1 for k in claimed],
+            idle_timeout_ms=str(round(idle_timeout * 1000)),
         )
-        if fence is not None:
-            await faults.point(faults.Point.AFTER_FENCE, **spot)
-            if rows[0]["fenced"] == 0:
-                raise errors.StaleTokenError(
-                    f"{fence.group_id}:{any_msg.topic}:{any_msg.partition}", fence.token
-                )
-        await self._sort_claimed(conn, result, rows, first, copies)
-        if result.applied:
-            if turn is not None:
-                await self._take_turn(conn, turn, idle_timeout)
-            await handler_.run(
-                handler,
-                batch_handler=batch_handler,
-                msgs=result.applied,
-                conn=conn,
-                token=fence.token if fence else 0,
-                deadline_s=handler_timeout,
-            )
-            telemetry.transition(
-                "applied", {"namespace": self.namespace, "count": len(result.applied)}
-            )
-        await outcomes.record(conn, self.queries, self.namespace, result, fence)
-        return result
+        for part in parts:
+            await faults.point(faults.Point.AFTER_FENCE, **part.fault_spot(conn))
+        fenced = set(rows[0]["fenced"] or ())
+        refused = [p for i, p in enumerate(parts) if i + 1 not in fenced]
+        found = [
+            results.BatchResult(dead_letters=list(p.dead), next_offset=p.next_offset) for p in parts
+        ]
+        if refused:
+            return refused, found
+        await self._sort_claimed(conn, found, rows, first, copies)
+        return [], found
 
-    async def _take_turn(
-        self, conn: asyncpg.Connection, turn: lanes.Turn, idle_timeout: float | None
+    async def record_outcomes(
+        self, conn: asyncpg.Connection, result: results.BatchResult, fence: results.Fence | None
     ) -> None:
-        """Wait for the consumer's turn, then the group's (:mod:`dedup._lanes`)."""
-
-        async def drop_snapshot() -> str:
-            return await self.queries.drop_snapshot.execute(conn)
-
-        await drop_snapshot()
-        await turn.wait(drop_snapshot, None if idle_timeout is None else idle_timeout / 3)
-        await self.queries.serialize_group.execute(conn, group_id=turn.group_id)
+        """Write a batch's dead letters and the events of its conflicts and dead letters."""
+        await outcomes.record(conn, self.queries, self.namespace, result, fence)
 
     async def claim(
         self,
         conn: asyncpg.Connection,
         msgs: Sequence[message_.Message],
         *,
-        dead: Sequence[DeadLetter] = (),
-    ) -> BatchResult:
+        dead: Sequence[results.DeadLetter] = (),
+    ) -> results.BatchResult:
         """Claim the keys of ``msgs`` inside the caller's open transaction; run nothing.
 
-        For :func:`dedup.claim`: the caller applies ``result.applied`` itself, in
-        the same transaction.  ``msgs`` have their idempotency keys set and may
-        come from any topics and partitions; ``dead`` are dead-lettered.  Keys
-        are claimed, and duplicates, conflicts and dead letters recorded, with
-        the consumer's statements and rules, in one round trip for the claim.
+        For :func:`dedup.claim` and ``wrap``: the caller applies ``result.applied``
+        itself, in the same transaction.  ``msgs`` have their idempotency keys set
+        and may come from any topics and partitions; ``dead`` are dead-lettered.
+        Keys are claimed, and duplicates, conflicts and dead letters recorded,
+        with the consumer's rules, in one round trip for the claim.
         """
-        result = BatchResult(dead_letters=list(dead))
-        first, copies = _first_copies(msgs)
+        result = results.BatchResult(dead_letters=list(dead))
+        part = Part("", 0, results.Fence("", 0, None), list(msgs))
+        first, copies = _first_copies([part])
         if first:
-            keys = sorted(first)  # key order: concurrent claims can't deadlock
-            found = [first[k][0] for k in keys]
-            rows = await self.queries.fence_and_claim.fetch(  # without a fence
+            claimed = sorted(first)  # key order: concurrent claims can't deadlock
+            found = [first[k][0] for k in claimed]
+            rows = await self.queries.claim_keys.fetch(
                 conn,
-                **_NO_FENCE,
                 namespace=self.namespace,
-                keys=keys,
+                keys=claimed,
                 offsets=[m.offset for m in found],
-                hashes=[first[k][1] for k in keys],
+                hashes=[first[k][1] for k in claimed],
                 topics=[m.topic for m in found],
                 partitions=[m.partition for m in found],
             )
-            await self._sort_claimed(conn, result, rows, first, copies)
+            await self._sort_claimed(conn, [result], rows, first, copies)
         await outcomes.record(conn, self.queries, self.namespace, result, None)
         return result
 
     async def _sort_claimed(
         self,
         conn: asyncpg.Connection,
-        result: BatchResult,
+        found: list[results.BatchResult],
         rows: Sequence[asyncpg.Record],
-        first: dict[str, tuple[message_.Message, bytes]],
-        copies: list[tuple[message_.Message, bytes]],
+        first: dict[str, tuple[message_.Message, bytes, int]],
+        copies: list[tuple[message_.Message, bytes, int]],
     ) -> None:
-        """File each claimed key's message as applied (fresh), a duplicate or a conflict."""
+        """File each key's first message as fresh, a duplicate or a conflict, then the copies.
+
+        ``rows`` name only the keys seen before this statement, with what they hold.
+        """
         # What each key now holds: its payload hash and where that payload came from.
         stored: dict[str, tuple[bytes, str]] = {}
         for row in rows:
             key = row["idempotency_key"]
-            if key is None:  # the batch had no keys to claim, only dead letters
-                continue
-            msg, digest = first[key]
-            if row["fresh"]:
-                result.applied.append(msg)
-                stored[key] = (digest, msg.where)
+            if key is None:  # no key seen before: the statement's one row
                 continue
             stored[key] = (
                 row["payload_hash"],
                 f"{row['topic']}:{row['partition']}:{row['offset']}",
             )
-            self._classify(result, msg, digest, stored[key])
+        for key, (msg, digest, i) in first.items():
+            held = stored.get(key)
+            if held is None:
+                found[i].applied.append(msg)
+                stored[key] = (digest, msg.where)
+            else:
+                self._classify(found[i], msg, digest, held)
         if copies:
-            await self._count_copies(conn, result, copies, stored)
-        result.applied.sort(key=lambda m: (m.topic, m.partition, m.offset))
-        # Per batch, not per message: a span event per message would cost more
+            await self._count_copies(conn, found, copies, stored)
+        for result in found:
+            result.applied.sort(key=_offset)
+        applied = sum(len(r.applied) for r in found)
+        # Per statement, not per message: a span event per message would cost more
         # than the rest of the happy path.
-        telemetry.transition("claimed", {"namespace": self.namespace, "count": len(result.applied)})
+        telemetry.transition("claimed", {"namespace": self.namespace, "count": applied})
 
     def _classify(
         self,
-        result: BatchResult,
+        result: results.BatchResult,
         msg: message_.Message,
         digest: bytes,
         stored: tuple[bytes, str],
@@ -417,72 +379,56 @@ class Store:
         if digest == stored_digest:
             result.duplicates.append(msg)
             return True
-        self._conflict(result, msg, original)
-        return False
-
-    async def _count_copies(
-        self,
-        conn: asyncpg.Connection,
-        result: BatchResult,
-        copies: list[tuple[message_.Message, bytes]],
-        stored: dict[str, tuple[bytes, str]],
-    ) -> None:
-        """Classify the batch's further copies of a key and count them on its row."""
-        counts: dict[str, list[int]] = {}  # key -> [duplicates, conflicts]
-        for msg, digest in copies:
-            duplicate = self._classify(result, msg, digest, stored[msg.idempotency_key])
-            counts.setdefault(msg.idempotency_key, [0, 0])[0 if duplicate else 1] += 1
-        keys = sorted(counts)
-        await self.queries.count_copies.execute(
-            conn,
-            namespace=self.namespace,
-            keys=keys,
-            duplicates=[counts[k][0] for k in keys],
-            conflicts=[counts[k][1] for k in keys],
-        )
-
-    def _conflict(self, result: BatchResult, msg: message_.Message, original: str) -> None:
         result.conflicts.append(msg)
         if self.on_conflict is message_.OnConflict.DEAD_LETTER:
             result.dead_letters.append(
-                DeadLetter(
+                results.DeadLetter(
                     msg,
                     f"conflict: key {msg.idempotency_key!r} was applied from {original} "
                     "with a different payload",
                 )
             )
+        return False
+
+    async def _count_copies(
+        self,
+        conn: asyncpg.Connection,
+        found: list[results.BatchResult],
+        copies: list[tuple[message_.Message, bytes, int]],
+        stored: dict[str, tuple[bytes, str]],
+    ) -> None:
+        """Classify the statement's further copies of a key and count them on its row."""
+        counts: dict[str, list[int]] = {}  # key -> [duplicates, conflicts]
+        for msg, digest, i in copies:
+            duplicate = self._classify(found[i], msg, digest, stored[msg.idempotency_key])
+            counts.setdefault(msg.idempotency_key, [0, 0])[0 if duplicate else 1] += 1
+        counted = sorted(counts)
+        await self.queries.count_copies.execute(
+            conn,
+            namespace=self.namespace,
+            keys=counted,
+            duplicates=[counts[k][0] for k in counted],
+            conflicts=[counts[k][1] for k in counted],
+        )
 
 
-# fence_and_claim for keys of any partitions, in the caller's transaction.
-_NO_FENCE: dict[str, Any] = dict.fromkeys(
-    (
-        "group_id",
-        "topic",
-        "partition",
-        "next_offset",
-        "token",
-        "expected",
-        "idle_timeout_ms",
-        "lock_timeout_ms",
-    ),
-)
+def _offset(msg: message_.Message) -> int:
+    return msg.offset
 
 
 def _first_copies(
-    msgs: Sequence[message_.Message],
-) -> tuple[dict[str, tuple[message_.Message, bytes]], list[tuple[message_.Message, bytes]]]:
-    """Each key's first message with its payload hash, and the later copies of a key."""
-    first: dict[str, tuple[message_.Message, bytes]] = {}
-    copies: list[tuple[message_.Message, bytes]] = []
-    for msg in msgs:
-        digest = payload_hash(msg.value)
-        if msg.idempotency_key in first:
-            copies.append((msg, digest))
-        else:
-            first[msg.idempotency_key] = (msg, digest)
+    parts: Sequence[Part],
+) -> tuple[
+    dict[str, tuple[message_.Message, bytes, int]], list[tuple[message_.Message, bytes, int]]
+]:
+    """Each key's first message with its payload hash and its part's index; the later copies."""
+    first: dict[str, tuple[message_.Message, bytes, int]] = {}
+    copies: list[tuple[message_.Message, bytes, int]] = []
+    for i, part in enumerate(parts):
+        for msg in part.msgs:
+            found = (msg, payload_hash(msg.value), i)
+            if msg.idempotency_key in first:
+                copies.append(found)
+            else:
+                first[msg.idempotency_key] = found
     return first, copies
-
-
-def _milliseconds(seconds: float | None) -> str | None:
-    """A setting's value in ms, as text (None stays None: the session's own value)."""
-    return None if seconds is None else str(round(seconds * 1000))

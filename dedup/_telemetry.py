@@ -115,12 +115,7 @@ stale_rejections = _counter(
 deadlocks = _counter(
     "dedup.deadlocks",
     "{batch}",
-    "batches that deadlocked with another lane and ran again under a turn",
-)
-lock_waits = _counter(
-    "dedup.lock_waits",
-    "{batch}",
-    "batches that waited past the lanes' lock wait for a row lock and ran again under a turn",
+    "transactions that deadlocked with another and ran again after a backoff",
 )
 retries = _counter(
     "dedup.retries", "{retry}", "batches, messages and partition takeovers tried again"
@@ -144,7 +139,7 @@ def counting(attributes: dict[str, Any]) -> dict[str, Any]:
     A counter that was never added to is no series at all in Prometheus, so a
     dashboard's deadlock panel would show "no data" instead of 0.
     """
-    for counter in (stale_rejections, deadlocks, lock_waits, retries):
+    for counter in (stale_rejections, deadlocks, retries):
         counter.add(0, attributes)
     return attributes
 

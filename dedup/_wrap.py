@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from dedup import _batch as batch
 from dedup import _config as config
 from dedup import _drivers as drivers
+from dedup import _handler as handler_
 from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import _store as store
@@ -42,16 +42,21 @@ def wrap(
 
     async def handle(record: Any) -> message_.Outcome:
         msg = message_.Message.from_record(record)
-        letter = batch.take_key(key, missing_key, msg)
+        letter = store.take_key(key, missing_key, msg)
         async with pool.acquire() as conn, conn.transaction():
-            result = await writes.apply(
-                conn,
-                [msg] if letter is None else [],
-                handler=handler,
-                batch_handler=False,
-                fence=None,
-                dead=[letter] if letter else [],
+            result = await writes.claim(
+                conn, [msg] if letter is None else [], dead=[letter] if letter else []
             )
+            if result.applied:
+                await handler_.run(
+                    handler,
+                    batch_handler=False,
+                    msgs=result.applied,
+                    conn=conn,
+                    token=0,
+                    deadline_s=None,
+                    namespace=writes.namespace,
+                )
         if result.applied:
             return message_.Outcome.PROCESSED
         if result.conflicts:
@@ -95,7 +100,7 @@ async def claim(
         msg = (
             record if isinstance(record, message_.Message) else message_.Message.from_record(record)
         )
-        letter = batch.take_key(key, missing_key, msg)
+        letter = store.take_key(key, missing_key, msg)
         if letter is None:
             msgs.append(msg)
         else:

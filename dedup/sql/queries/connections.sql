@@ -20,3 +20,19 @@ SELECT 1
 -- options) are the session's defaults and stay.  No parameters: one round trip
 -- of the simple protocol.
 SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE
+
+-- name: begin
+-- A consumer lane's transaction (dedup/_turn.py) begins with the server's defaults.
+BEGIN
+
+-- name: commit_and_reset
+-- The end of a consumer lane's transaction: undo what the handler set on the
+-- session (as reset_session does), then COMMIT, in one round trip.  The reset
+-- runs inside the transaction, so it commits with it; a transaction the
+-- handler left aborted fails at its first statement and commits nothing.
+SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; COMMIT
+
+-- name: rollback_and_reset
+-- A consumer lane's transaction failed: ROLLBACK, then reset the session (as
+-- reset_session does), in one round trip.
+ROLLBACK; SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE

@@ -57,61 +57,38 @@ SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
     ON p.topic = x.t AND p."partition" = x.part
  WHERE p.group_id = :group_id
 
--- name: drop_snapshot
--- A serial batch runs this after its claim, before it waits for its turn
--- (dedup/_lanes.py): a statement of the simple protocol (no parameters) drops
--- the claim's unnamed portal, and with it the snapshot that would keep the
--- hot rows' dead versions from being pruned while it waits.
-SELECT 1
-
--- name: serialize_group
--- After a deadlock the handlers of a consumer group take turns (dedup/_lanes.py):
--- a batch transaction takes the group's transaction-scoped advisory lock after
--- its claim and the consumer's own turn, before its handler, so the next
--- batch's claim overlaps this handler, and consumers of the group that
--- deadlocked on hot rows take turns across processes too.  Whoever holds it
--- has claimed already and waits for no claim, so it can't close a deadlock cycle.
-SELECT pg_advisory_xact_lock(hashtext('dedup.serial'), hashtext(:group_id))
-
--- name: advance_partition
--- Move the offset past records the consumer was never handed (transaction
--- markers, records of aborted transactions, compacted gaps) under the batch's
--- fence: only while this token is current and the offset is where this holder
--- left it (:expected, the next_offset it last stored).  No keys are claimed;
--- returns a row only if the fence held.
-UPDATE {schema}.partitions
-   SET next_offset = :next_offset, updated_at = now()
- WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition
-   AND token = :token AND next_offset IS NOT DISTINCT FROM :expected
-RETURNING 1 AS fenced
-
 -- name: fence_and_claim
--- One round trip for steps 1 and 2 of a batch.  The fence moves the partition's
--- offset only while this token is current and the offset is where this holder
--- left it; the claim runs only if the fence held.  A key seen before gets its
--- duplicate (same payload hash) or conflict (different hash) counted instead.
--- :token NULL means no fence (wrap(), claim()); :expected is the next_offset this
--- holder last stored.  :idle_timeout_ms and :lock_timeout_ms are the
--- transaction's idle_in_transaction_session_timeout and lock_timeout, as text
--- (NULL: the session's).  The settings ride on
--- this statement, the batch's first, instead of a SET LOCAL of their own: no
--- round trip more per batch, and nothing per session, so they hold through a
--- pooler in transaction mode.  A batch's keys are of one :topic and
--- :partition; dedup.claim() gives keys of any partitions instead, as :topics
--- and :partitions beside :keys (and no fence).
+-- The first statement of a consumer transaction, one round trip for all the
+-- partitions of a lane's turn (dedup/_turn.py).  The fence moves each
+-- partition's offset (:topics[i], :partitions[i]) to :next_offsets[i] only
+-- while :tokens[i] is current and the offset is where this holder left it
+-- (:expected[i]); the claim inserts the keys of the fenced partitions only
+-- (:parts[j] is the 1-based partition of :keys[j]), in the order given (key
+-- order, so transactions that share keys can't deadlock on them).  A key seen
+-- before gets its duplicate (same payload hash) or conflict (different hash)
+-- counted instead.  The answer: `fenced`, the partitions whose fence held
+-- (1-based), and a row for each key seen before (fresh keys come back as
+-- nothing: the happy path reads one row).  :idle_timeout_ms is the
+-- transaction's idle_in_transaction_session_timeout, as text: set by this,
+-- its first statement, for the transaction only, so it holds through a
+-- pooler in transaction mode and costs no round trip.  dedup sets nothing else.
 WITH fence AS (
-    UPDATE {schema}.partitions
-       SET next_offset = :next_offset, updated_at = now()
-     WHERE group_id = :group_id AND topic = :topic AND "partition" = :partition
-       AND token = :token AND next_offset IS NOT DISTINCT FROM :expected
-    RETURNING 1
+    UPDATE {schema}.partitions AS p
+       SET next_offset = f.next_offset, updated_at = now()
+      FROM unnest(:topics::text[], :partitions::int[], :tokens::bigint[],
+                  :expected::bigint[], :next_offsets::bigint[])
+           WITH ORDINALITY AS f(topic, part, token, expected, next_offset, i)
+     WHERE p.group_id = :group_id AND p.topic = f.topic AND p."partition" = f.part
+       AND p.token = f.token AND p.next_offset IS NOT DISTINCT FROM f.expected
+    RETURNING f.i
 ), claim AS (
     INSERT INTO {schema}.processed AS p
         (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
-    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :partition), o, :token, h
-      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[],
-                  :topics::text[], :partitions::int[]) AS x(k, o, h, t, part)
-     WHERE :token::bigint IS NULL OR EXISTS (SELECT FROM fence)
+    SELECT :namespace, x.k, (:topics::text[])[x.i], (:partitions::int[])[x.i], x.o,
+           (:tokens::bigint[])[x.i], x.h
+      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[], :parts::int[])
+           AS x(k, o, h, i)
+     WHERE x.i IN (SELECT i FROM fence)
     ON CONFLICT (namespace, idempotency_key) DO UPDATE
        SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
            conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
@@ -119,15 +96,30 @@ WITH fence AS (
     RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
               p.topic, p."partition", p."offset"
 )
-SELECT (SELECT count(*) FROM fence) AS fenced, claim.*
-  FROM (SELECT set_config('idle_in_transaction_session_timeout',
-                          coalesce(:idle_timeout_ms::text,
-                                   current_setting('idle_in_transaction_session_timeout')),
-                          true),
-               set_config('lock_timeout',
-                          coalesce(:lock_timeout_ms::text, current_setting('lock_timeout')),
-                          true)) AS settings
-  LEFT JOIN claim ON true
+SELECT (SELECT array_agg(i::int) FROM fence) AS fenced, c.idempotency_key, c.payload_hash,
+       c.topic, c."partition", c."offset"
+  FROM (SELECT set_config('idle_in_transaction_session_timeout', :idle_timeout_ms, true))
+       AS settings
+  LEFT JOIN claim AS c ON NOT c.fresh
+
+-- name: claim_keys
+-- dedup.claim() and wrap(): keys of any partitions, in the caller's transaction,
+-- without a fence; the same claim as fence_and_claim's.  Returns a row for each
+-- key seen before only.
+WITH claim AS (
+    INSERT INTO {schema}.processed AS p
+        (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
+    SELECT :namespace, k, t, part, o, NULL, h
+      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[],
+                  :topics::text[], :partitions::int[]) AS x(k, o, h, t, part)
+    ON CONFLICT (namespace, idempotency_key) DO UPDATE
+       SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
+           conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
+           last_duplicate_at = now()
+    RETURNING p.idempotency_key, p.xmax = 0 AS fresh, p.payload_hash,
+              p.topic, p."partition", p."offset"
+)
+SELECT idempotency_key, payload_hash, topic, "partition", "offset" FROM claim WHERE NOT fresh
 
 -- name: count_copies
 -- Further copies of a key inside one batch, once each was classified against

@@ -1,0 +1,350 @@
+"""One lane's turn: one transaction for what its partitions fetched.
+
+:func:`run` sends, on the lane's connection:
+
+1. ``BEGIN``;
+2. **one** ``fence_and_claim`` for every partition of the turn
+   (:meth:`dedup._store.Store.fence_and_claim`): each partition's offset moves
+   under its token, the keys of the fenced partitions are claimed, and only the
+   keys seen before come back;
+3. the handler, once per partition (a batch handler: the partition's fresh
+   messages in offset order, ``tx.token`` its token) or once per fresh
+   message, with ``handler_timeout`` per call;
+4. the partition's dead letters and events;
+5. the session reset and ``COMMIT``, in one round trip.
+
+A failure rolls the transaction back (and resets the session in the same
+round trip) and is raised for the lane's retry policy (:mod:`dedup._retry`):
+a refused fence as :class:`dedup._retry.Refused`, the handler's errors as
+:class:`dedup._retry.HandlerFailed`, anything else as it came.  Traced as the
+conventions have it: a CONSUMER span ``process <topic>`` for the turn, an
+INTERNAL span ``dedup transaction`` inside it (the handler runs in it), and
+a CLIENT span per statement dedup sends, BEGIN and COMMIT included.  The
+fault points ``BEFORE_COMMIT`` and ``AFTER_COMMIT`` (:mod:`dedup._faults`)
+sit around the COMMIT, once per partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from dedup import _db as db
+from dedup import _db_telemetry as db_telemetry
+from dedup import _errors as errors
+from dedup import _faults as faults
+from dedup import _handler as handler_
+from dedup import _results as results
+from dedup import _retry as retry
+from dedup import _semconv as semconv
+from dedup import _store as store
+from dedup import _telemetry as telemetry
+from dedup import keys
+
+log = logging.getLogger("dedup.consumer")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every turn of one consumer shares."""
+
+    group_id: str
+    namespace: str
+    holder: str
+    store: store.Store
+    handler: Callable[..., Any]
+    batch_handler: bool
+    key: keys.Strategy
+    on_missing_key: str
+    batch_size: int
+    max_attempts: int
+    handler_timeout: float
+    idle_timeout: float
+    """The server's idle_in_transaction_session_timeout in each transaction, in seconds."""
+    database: str
+
+
+async def run(
+    conn: asyncpg.Connection,
+    s: Settings,
+    parts: Sequence[store.Part],
+    stats: MutableMapping[str, int],
+) -> list[results.BatchResult]:
+    """Apply ``parts`` in one transaction on ``conn``; what each part did once committed."""
+    attributes = _process_attributes(s, parts)
+    links, dropped = telemetry.producer_links(m.raw_headers for p in parts for m in p.msgs)
+    if dropped:
+        attributes["dedup.links.dropped"] = dropped
+    measured = [
+        {**messaging(s, p.topic, p.partition), "messaging.operation.name": "process"} for p in parts
+    ]
+    started = time.perf_counter()
+    try:
+        with telemetry.consumer_span(f"process {parts[0].topic}", attributes, links):
+            found = await _transaction(conn, s, parts)
+    except BaseException as exc:
+        for m in measured:
+            m["error.type"] = semconv.error_type(exc)
+        raise
+    finally:
+        for m in measured:
+            telemetry.record(telemetry.process_duration, time.perf_counter() - started, m)
+    elapsed = time.perf_counter() - started
+    for part, result in zip(parts, found, strict=True):
+        _count(stats, s, part, result, elapsed)
+    return found
+
+
+async def _transaction(
+    conn: asyncpg.Connection, s: Settings, parts: Sequence[store.Part]
+) -> list[results.BatchResult]:
+    schema = s.store.schema
+    attributes: dict[str, Any] = {"dedup.namespace": s.namespace}
+    if len(parts) == 1:
+        attributes["dedup.token"] = parts[0].fence.token
+    queries = db.queries()
+    with telemetry.internal_span("dedup transaction", attributes):
+        with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema)):
+            await conn.execute(queries.begin.sql)
+        began = time.monotonic()
+        try:
+            found = await _fence_and_claim(conn, s, parts)
+            for part, result in zip(parts, found, strict=True):
+                await _handle(conn, s, part, result)
+            with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema)):
+                await _commit(conn, parts)
+        except BaseException as exc:
+            await _roll_back(conn, schema)
+            if not isinstance(exc, Exception):
+                raise
+            # The server ended a session kept idle past its limit: whatever the
+            # handler or the next statement met then, that is what happened.
+            took = time.monotonic() - began
+            cut = db.session_timed_out(exc, took, s.idle_timeout)
+            if cut or (isinstance(exc, retry.HandlerFailed) and _closed(conn)):
+                if cut or took >= s.idle_timeout:
+                    part = exc.partition if isinstance(exc, retry.HandlerFailed) else parts[0]
+                    raise retry.HandlerFailed(_session_cut(s), part) from exc
+            raise
+        for part, result in zip(parts, found, strict=True):
+            await faults.point(
+                faults.Point.AFTER_COMMIT,
+                fence=part.fence,
+                msgs=part.msgs,
+                dead=part.dead,
+                result=result,
+            )
+    return found
+
+
+async def _roll_back(conn: asyncpg.Connection, schema: str) -> None:
+    """Roll back and reset the session, in one round trip.
+
+    A rollback that fails because the connection is gone lets the turn's own
+    error through (the server rolled back when the session ended); any other
+    failure raises in its place, chained to it, as asyncpg's ``async with
+    conn.transaction()`` does.
+    """
+    if _closed(conn) or not conn.is_in_transaction():
+        return
+    try:
+        with db_telemetry.db_call(conn, db_telemetry.Call("ROLLBACK", "ROLLBACK", schema)):
+            await conn.execute(db.queries().rollback_and_reset.sql)
+    except Exception as exc:
+        if not db.is_broken(conn, exc):
+            raise
+
+
+def _closed(conn: asyncpg.Connection) -> bool:
+    """True when ``conn`` is closed, or detached by its pool (asyncpg does that to a
+    pooled connection the server closed)."""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
+
+
+async def _fence_and_claim(
+    conn: asyncpg.Connection, s: Settings, parts: Sequence[store.Part]
+) -> list[results.BatchResult]:
+    """The turn's first statement; raises Refused when the fence refused any partition."""
+    refused, found = await s.store.fence_and_claim(conn, parts, s.idle_timeout)
+    if refused:
+        raise retry.Refused(list(refused))
+    return found
+
+
+async def _handle(
+    conn: asyncpg.Connection, s: Settings, part: store.Part, result: results.BatchResult
+) -> None:
+    """One partition's handler calls, then its dead letters and events."""
+    if result.applied:
+        started = time.monotonic()
+        try:
+            await handler_.run(
+                s.handler,
+                batch_handler=s.batch_handler,
+                msgs=result.applied,
+                conn=conn,
+                token=part.fence.token,
+                deadline_s=s.handler_timeout,
+                namespace=s.namespace,
+            )
+        except Exception as exc:
+            raise _handler_failure(conn, s, exc, part, time.monotonic() - started) from None
+        telemetry.transition("applied", {"namespace": s.namespace, "count": len(result.applied)})
+    try:
+        await s.store.record_outcomes(conn, result, part.fence)
+        await faults.point(
+            faults.Point.BEFORE_COMMIT,
+            conn=conn,
+            fence=part.fence,
+            msgs=part.msgs,
+            dead=part.dead,
+            result=result,
+        )
+    except asyncpg.InFailedSQLTransactionError as exc:
+        raise retry.HandlerFailed(_ABORTED, part) from exc
+
+
+_ABORTED = errors.HandlerError(
+    "the transaction was aborted by a statement of the handler's that failed (the handler "
+    "caught the error and went on): nothing of the batch can commit; use a savepoint "
+    "(async with tx.conn.transaction()) around a statement that may fail"
+)
+
+
+async def _commit(conn: asyncpg.Connection, parts: Sequence[store.Part]) -> None:
+    """Reset the session and COMMIT, in one round trip (``commit_and_reset``).
+
+    A handler's ``SET search_path``, ``SET ROLE`` or advisory lock must not meet
+    the lane's next turn; the reset runs inside the transaction, before its
+    COMMIT, so it is one message with it.  A transaction the handler left
+    aborted fails here, before the COMMIT, and rolls back.
+    """
+    try:
+        await conn.execute(db.queries().commit_and_reset.sql)
+    except asyncpg.InFailedSQLTransactionError as exc:
+        raise retry.HandlerFailed(_ABORTED, parts[0]) from exc
+
+
+def _handler_failure(
+    conn: asyncpg.Connection, s: Settings, exc: Exception, part: store.Part, took: float
+) -> Exception:
+    """What a handler's exception means for the retry policy.
+
+    The server cut the session for idling: the handler's fault (it held the
+    transaction idle past the timeout).  Dedup's connection lost: an outage,
+    raised as dedup's own.  Anything else: the handler's failure.
+    """
+    if db.session_timed_out(exc, took, s.idle_timeout):
+        return retry.HandlerFailed(_session_cut(s), part)
+    if db.is_broken(conn, exc) and db.is_retriable(exc):
+        return exc
+    return retry.HandlerFailed(exc, part)
+
+
+def _session_cut(s: Settings) -> errors.HandlerError:
+    return errors.HandlerError(
+        "the server ended the session after idle_in_transaction_session_timeout="
+        f"{s.idle_timeout:g}s: the handler kept the transaction idle that long "
+        "(blocking code in an async handler?)"
+    )
+
+
+def messaging(s: Settings, topic: str, partition: int) -> dict[str, Any]:
+    """The messaging attributes every span and metric of a partition's batch carries."""
+    return {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": s.group_id,
+        "messaging.destination.name": topic,
+        "messaging.destination.partition.id": str(partition),
+    }
+
+
+def _process_attributes(s: Settings, parts: Sequence[store.Part]) -> dict[str, Any]:
+    """The CONSUMER span's attributes (OpenTelemetry messaging conventions for Kafka).
+
+    A turn of one message is a single-message span (its offset, key and
+    tombstone flag); a larger one a batch span (its message count).  A turn
+    of several partitions names them all in ``dedup.partitions`` (each
+    partition's id and token are on its own statements' events).
+    """
+    first = parts[0]
+    count = sum(p.size for p in parts)
+    attributes: dict[str, Any] = {
+        **messaging(s, first.topic, first.partition),
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "dedup.namespace": s.namespace,
+    }
+    if len(parts) > 1:
+        del attributes["messaging.destination.partition.id"]
+        if any(p.topic != first.topic for p in parts):
+            del attributes["messaging.destination.name"]
+        attributes["dedup.partitions"] = [f"{p.topic}:{p.partition}" for p in parts]
+    else:
+        attributes["dedup.token"] = first.fence.token
+    if count != 1:
+        if count:
+            attributes["messaging.batch.message_count"] = count
+        return attributes
+    single = (first.msgs or [d.msg for d in first.dead])[0]
+    attributes["messaging.kafka.offset"] = single.offset
+    if single.key is not None:
+        key = telemetry.key_attribute(single.key)
+        if key is not None:
+            attributes["messaging.kafka.message.key"] = key
+    if single.tombstone:
+        attributes["messaging.kafka.message.tombstone"] = True
+    return attributes
+
+
+def _count(
+    stats: MutableMapping[str, int],
+    s: Settings,
+    part: store.Part,
+    result: results.BatchResult,
+    elapsed: float,
+) -> None:
+    """Add a committed part to the consumer's stats and metrics."""
+    count = part.size
+    stats["batches"] += 1
+    stats["messages"] += count
+    stats["processed"] += len(result.applied)
+    stats["duplicates"] += len(result.duplicates)
+    stats["conflicts"] += len(result.conflicts)
+    stats["dead_lettered"] += len(result.dead_letters)
+    attrs = counted(s, part.topic)
+    telemetry.processed.add(len(result.applied), attrs)
+    if result.duplicates:
+        telemetry.duplicates.add(len(result.duplicates), attrs)
+    if result.conflicts:
+        telemetry.conflicts.add(len(result.conflicts), attrs)
+    if result.dead_letters:
+        telemetry.dead_lettered.add(len(result.dead_letters), attrs)
+    for letter in result.dead_letters:
+        # A handler's failures were logged as they happened; these were never tried.
+        if letter.error is None:
+            log.warning("dead-lettered %s: %s", letter.msg.where, letter.reason)
+    if count:
+        telemetry.batch_size.record(count, attrs)
+    telemetry.transaction_duration.record(elapsed, attrs)
+    if result.applied:
+        lag = time.time() - result.applied[-1].timestamp / 1000
+        telemetry.end_to_end_lag.record(max(lag, 0.0), attrs)
+
+
+def counted(s: Settings, topic: str) -> dict[str, Any]:
+    """The attributes of dedup's counters for one topic of a consumer."""
+    return {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": s.group_id,
+        "messaging.destination.name": topic,
+        "dedup.namespace": s.namespace,
+    }
