@@ -2,35 +2,37 @@
 
 Not part of the test run or of ``python -m bench``: a measurement to read while
 changing the hot path.  Each figure is process CPU (``time.process_time``) per
-record, in microseconds, the best of ``--rounds`` rounds over ``--records``
-records, with the cost of an empty loop over as many records taken off.
+record, in microseconds.  The machines it runs on are shared, so what is
+compared takes turns: within each round every step (or variant) runs once.
 
 ``steps`` (the default, no services): what dedup does per record of a batch,
 on fake ``aiokafka.structs.ConsumerRecord`` s like the benchmark's topic holds
 (``{"id", "account", "amount"}``, about 80 bytes, no headers), beside what the
 hand-written loop of ``bench/arms.py`` does (``_fields``: one ``orjson.loads``
-and three fields), and the payload fingerprint against hashlib's others.
+and three fields), and the payload fingerprint against hashlib's others: the
+best of ``--rounds`` rounds over ``--records`` records, the cost of an empty
+loop over as many taken off.
 
 ``claim`` (needs Postgres, ``--dsn`` or ``DEDUP_DSN``): the client CPU of one
 ``fence_and_claim`` of ``--keys`` fresh keys per call (the happy path), as the
 statement is today and in variants of how its arrays travel and of what it
-returns.  The tables live in a scratch schema made from migration 0001 and
-dropped at the end.
+returns: the median of ``--rounds`` rounds of ``--calls`` calls per variant.  The
+tables live in a scratch schema made from migration 0001 and dropped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import hashlib
 import os
 import random
+import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,15 +49,15 @@ from dedup import keys
 RECORDS = 100_000
 """Records per round of ``steps``."""
 ROUNDS = 5
-"""Rounds per figure; the best is shown (the machine is shared: the best is the least disturbed)."""
+"""Rounds of ``steps``; each figure is its best round (the least disturbed on a shared machine)."""
 HASH_SIZES = (80, 2048)
 """Value sizes, in bytes, the fingerprints are measured on."""
 CLAIM_KEYS = 500
 """Keys per ``fence_and_claim``: the consumer's default ``batch_size``."""
-CLAIM_CALLS = 40
+CLAIM_CALLS = 20
 """Calls per variant per round of ``claim``."""
 CLAIM_ROUNDS = 5
-"""Rounds of ``claim``: the variants take turns within each, so the table grows under all alike."""
+"""Rounds of ``claim``; the median is shown.  The variants take turns call by call."""
 
 
 def records(n: int, seed: int = 7) -> list[ConsumerRecord[bytes, bytes]]:
@@ -86,11 +88,6 @@ def per_record(step: Callable[[Any], object], items: Sequence[Any]) -> float:
     return (time.process_time() - started) / len(items)
 
 
-def best(rounds: int, measure: Callable[[], float]) -> float:
-    """The least of ``rounds`` measurements."""
-    return min(measure() for _ in range(rounds))
-
-
 def steps(n: int, rounds: int) -> list[tuple[str, float]]:
     """Microseconds per record of each step, the empty loop taken off."""
     recs = records(n)
@@ -104,9 +101,6 @@ def steps(n: int, rounds: int) -> list[tuple[str, float]]:
         for m in msgs:
             m.idempotency_key = keys.extract(strategy, m)
         return msgs
-
-    def nothing(item: object) -> None:
-        return None
 
     def extract(m: message_.Message) -> None:
         m.idempotency_key = keys.extract(strategy, m)
@@ -126,35 +120,24 @@ def steps(n: int, rounds: int) -> list[tuple[str, float]]:
         arms._fields(r.value)
 
     values = [r.value for r in recs]
-    loop = best(rounds, lambda: per_record(nothing, recs))
-    figures = [
-        ("handwritten: _fields(value)", best(rounds, lambda: per_record(handwritten_record, recs))),
-        (
-            "Message.from_record",
-            best(rounds, lambda: per_record(message_.Message.from_record, recs)),
+    measures: dict[str, Callable[[], float]] = {
+        "": lambda: per_record(_nothing, recs),
+        "handwritten: _fields(value)": lambda: per_record(handwritten_record, recs),
+        "Message.from_record": lambda: per_record(message_.Message.from_record, recs),
+        'keys.extract(json_field("id")), value not decoded yet': lambda: per_record(
+            extract, fresh()
         ),
-        (
-            'keys.extract(json_field("id")), value not decoded yet',
-            best(rounds, lambda: per_record(extract, fresh())),
-        ),
-        (
-            "msg.json() + 2 fields, after the key",
-            best(rounds, lambda: per_record(handler, keyed())),
-        ),
-        (
-            "msg.json() + 2 fields, value not decoded yet",
-            best(rounds, lambda: per_record(handler, fresh())),
-        ),
-        (
-            "payload_hash (BLAKE2b-128)",
-            best(rounds, lambda: per_record(store.payload_hash, values)),
-        ),
-        (
-            "dedup, all of the above per record",
-            best(rounds, lambda: per_record(dedup_record, recs)),
-        ),
-    ]
-    return [(name, (seconds - loop) * 1e6) for name, seconds in figures]
+        "msg.json() + 2 fields, after the key": lambda: per_record(handler, keyed()),
+        "msg.json() + 2 fields, value not decoded yet": lambda: per_record(handler, fresh()),
+        "payload_hash (BLAKE2b-128)": lambda: per_record(store.payload_hash, values),
+        "dedup, all of the above per record": lambda: per_record(dedup_record, recs),
+    }
+    # The steps take turns within each round: a disturbance falls on all alike.
+    found = dict.fromkeys(measures, float("inf"))
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            found[name] = min(found[name], measure())
+    return [(name, (found[name] - found[""]) * 1e6) for name in measures if name]
 
 
 FINGERPRINTS: dict[str, Callable[[bytes], bytes]] = {
@@ -168,18 +151,26 @@ FINGERPRINTS: dict[str, Callable[[bytes], bytes]] = {
 
 
 def fingerprints(n: int, rounds: int) -> list[tuple[str, dict[int, float]]]:
-    """Microseconds per value of each fingerprint, for each of HASH_SIZES."""
+    """Microseconds per value of each fingerprint, for each of HASH_SIZES.
+
+    The fingerprints take turns within each round; the best round of each is kept.
+    """
     rng = random.Random(11)
     by_size = {size: [rng.randbytes(size) for _ in range(n // 10)] for size in HASH_SIZES}
-
-    def cost(step: Callable[[bytes], object], values: list[bytes]) -> float:
-        return best(rounds, functools.partial(per_record, step, values))
-
-    loop = {size: cost(bytes, values) for size, values in by_size.items()}
+    steps = {"": _nothing, **FINGERPRINTS}
+    found = {(name, size): float("inf") for name in steps for size in HASH_SIZES}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            for size, values in by_size.items():
+                found[name, size] = min(found[name, size], per_record(step, values))
     return [
-        (name, {size: (cost(digest, v) - loop[size]) * 1e6 for size, v in by_size.items()})
-        for name, digest in FINGERPRINTS.items()
+        (name, {size: (found[name, size] - found["", size]) * 1e6 for size in HASH_SIZES})
+        for name in FINGERPRINTS
     ]
+
+
+def _nothing(item: object) -> None:
+    return None
 
 
 # The claim's variants.  Each is fence_and_claim with its claim CTE's input (and,
@@ -218,12 +209,17 @@ _SETTINGS = """  FROM (SELECT set_config('idle_in_transaction_session_timeout',
 _ALL_ROWS = (
     "SELECT (SELECT count(*) FROM fence) AS fenced, claim.*\n"
     + _SETTINGS
-    + ("  LEFT JOIN claim ON true")
+    + "  LEFT JOIN claim ON true"
+)
+_TWO_COLUMNS = (
+    "SELECT (SELECT count(*) FROM fence) AS fenced, claim.idempotency_key, claim.fresh\n"
+    + _SETTINGS
+    + "  LEFT JOIN claim ON true"
 )
 _SEEN_ROWS = (
     "SELECT (SELECT count(*) FROM fence) AS fenced, seen.*\n"
     + _SETTINGS
-    + ("  LEFT JOIN (SELECT * FROM claim WHERE NOT fresh) AS seen ON true")
+    + "  LEFT JOIN (SELECT * FROM claim WHERE NOT fresh) AS seen ON true"
 )
 
 _THREE_ARRAYS = """    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :partition),
@@ -234,6 +230,10 @@ _DELTAS = """    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :part
            :first_offset::bigint + d, :token, h
       FROM unnest(:keys::text[], :deltas::int[], :hashes::bytea[],
                   :topics::text[], :partitions::int[]) AS x(k, d, h, t, part)"""
+_OFFSETS_TEXT = """    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :partition),
+           o, :token, h
+      FROM unnest(:keys::text[], string_to_array(:offsets, ',')::bigint[], :hashes::bytea[],
+                  :topics::text[], :partitions::int[]) AS x(k, o, h, t, part)"""
 _ONE_HASH_BYTEA = """    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :partition),
            o, :token, substring(:hashes::bytea FROM n::int * 16 - 15 FOR 16)
       FROM unnest(:keys::text[], :offsets::bigint[], :topics::text[], :partitions::int[])
@@ -265,6 +265,11 @@ def _deltas(batch: Batch) -> dict[str, Any]:
         "deltas": [o - first for o in offsets],
         "hashes": hashes,
     }
+
+
+def _offsets_text(batch: Batch) -> dict[str, Any]:
+    keys_, offsets, hashes = batch
+    return {"keys": keys_, "offsets": ",".join(map(str, offsets)), "hashes": hashes}
 
 
 def _one_hash_bytea(batch: Batch) -> dict[str, Any]:
@@ -319,6 +324,13 @@ VARIANTS = (
     ),
     Variant("offsets: first + int4[] deltas", _DELTAS, _ALL_ROWS, _deltas, _fresh_of_all),
     Variant(
+        "offsets: one text, split by Postgres",
+        _OFFSETS_TEXT,
+        _ALL_ROWS,
+        _offsets_text,
+        _fresh_of_all,
+    ),
+    Variant(
         "hashes: one bytea of 16-byte digests",
         _ONE_HASH_BYTEA,
         _ALL_ROWS,
@@ -340,6 +352,20 @@ VARIANTS = (
         _THREE_ARRAYS,
         _SEEN_ROWS,
         _same,
+        _fresh_of_seen,
+    ),
+    Variant(
+        "today's arrays, RETURNING key and fresh of all",
+        _THREE_ARRAYS,
+        _TWO_COLUMNS,
+        _same,
+        _fresh_of_all,
+    ),
+    Variant(
+        "one bytea of hashes, RETURNING only keys seen before",
+        _ONE_HASH_BYTEA,
+        _SEEN_ROWS,
+        _one_hash_bytea,
         _fresh_of_seen,
     ),
 )
@@ -389,7 +415,7 @@ def _query(name: str, text: str, schema: str) -> sql.Query:
     return sql.Query(name, rendered, params)
 
 
-def _batches(n: int, size: int, start: int) -> Iterable[Batch]:
+def _batches(n: int, size: int, start: int) -> Iterator[Batch]:
     """``n`` batches of ``size`` fresh keys; offsets from ``start``, a gap now and then."""
     offset = start
     for _ in range(n):
@@ -428,19 +454,24 @@ async def claim(dsn: str, size: int, calls: int, rounds: int) -> list[tuple[str,
             arm.cpu = arm.wall = arm.calls = 0
         per_round: dict[str, list[tuple[float, float]]] = {a.variant.name: [] for a in arms_}
         for _ in range(rounds):
-            for arm in arms_:
-                cpu, wall, done = arm.cpu, arm.wall, arm.calls
-                gc.collect()
-                for batch in _batches(calls, size, arm.next_offset or 0):
-                    await arm.call(conn, batch)
-                per_round[arm.variant.name].append(
-                    ((arm.cpu - cpu) / (arm.calls - done), (arm.wall - wall) / (arm.calls - done))
-                )
+            before = [(arm.cpu, arm.wall, arm.calls) for arm in arms_]
+            gc.collect()
+            # Call by call in turn: a disturbance of the shared machine falls on all alike.
+            for _ in range(calls):
+                for arm in arms_:
+                    await arm.call(conn, next(_batches(1, size, arm.next_offset or 0)))
+            for arm, (cpu, wall, done) in zip(arms_, before, strict=True):
+                n = arm.calls - done
+                per_round[arm.variant.name].append(((arm.cpu - cpu) / n, (arm.wall - wall) / n))
     finally:
         await conn.execute(f"DROP SCHEMA IF EXISTS {sql.quote(schema)} CASCADE")
         await conn.close()
     return [
-        (name, min(c for c, _ in found) / size * 1e6, min(w for _, w in found) * 1e3)
+        (
+            name,
+            statistics.median(c for c, _ in found) / size * 1e6,
+            statistics.median(w for _, w in found) * 1e3,
+        )
         for name, found in per_round.items()
     ]
 
@@ -464,7 +495,7 @@ def show_steps(n: int, rounds: int) -> None:
 def show_claim(dsn: str, size: int, calls: int, rounds: int) -> None:
     """Print the claim's variants."""
     print(f"fence_and_claim of {size} fresh keys: client CPU per key, µs, and wall ms per call")
-    print(f"(best of {rounds} rounds of {calls} calls per variant)")
+    print(f"(median of {rounds} rounds of {calls} calls per variant, the variants taking turns)")
     figures = asyncio.run(claim(dsn, size, calls, rounds))
     width = max(len(name) for name, _, _ in figures)
     for name, us, ms in figures:
