@@ -222,6 +222,12 @@ _SEEN_ROWS = (
     + "  LEFT JOIN (SELECT * FROM claim WHERE NOT fresh) AS seen ON true"
 )
 
+_HANDWRITTEN = (
+    "INSERT INTO {schema}.claims (key) SELECT unnest(:keys::text[])"
+    " ON CONFLICT DO NOTHING RETURNING key"
+)
+"""bench/arms.py's CLAIM_MANY, for comparison: keys only, the fresh ones returned."""
+
 _THREE_ARRAYS = """    SELECT :namespace, k, coalesce(t, :topic), coalesce(part, :partition),
            o, :token, h
       FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[],
@@ -302,6 +308,10 @@ def _fresh_of_all(rows: Sequence[asyncpg.Record], keys_: list[str]) -> list[str]
     return [row["idempotency_key"] for row in rows if row["fresh"]]
 
 
+def _fresh_of_returned(rows: Sequence[asyncpg.Record], keys_: list[str]) -> list[str]:
+    return list({row[0] for row in rows})
+
+
 def _fresh_of_seen(rows: Sequence[asyncpg.Record], keys_: list[str]) -> list[str]:
     seen = {row["idempotency_key"] for row in rows if row["idempotency_key"] is not None}
     return [k for k in keys_ if k not in seen] if seen else keys_
@@ -316,6 +326,12 @@ class Variant:
     returning: str
     prepare: Callable[[Batch], dict[str, Any]]
     sort: Callable[[Sequence[asyncpg.Record], list[str]], list[str]]
+    whole: bool = False
+    """``claim`` is the whole statement, with no fence (the hand-written loop's)."""
+
+    def statement(self) -> str:
+        """The statement's text, with ``{schema}`` and ``:name`` parameters."""
+        return self.claim if self.whole else _FENCE + self.claim + _UPSERT + self.returning
 
 
 VARIANTS = (
@@ -368,6 +384,14 @@ VARIANTS = (
         _one_hash_bytea,
         _fresh_of_seen,
     ),
+    Variant(
+        "(hand-written loop's CLAIM_MANY: text[] in, fresh keys out)",
+        _HANDWRITTEN,
+        "",
+        _same,
+        _fresh_of_returned,
+        whole=True,
+    ),
 )
 
 
@@ -387,9 +411,8 @@ class Arm:
         """One fence_and_claim; its client CPU and wall time are added up."""
         expected, self.next_offset = self.next_offset, max(batch[1]) + 1
         started, cpu = time.perf_counter(), time.process_time()
-        rows = await self.query.fetch(
-            conn,
-            **self.variant.prepare(batch),
+        values = dict(
+            self.variant.prepare(batch),
             namespace="hotpath",
             group_id="hotpath",
             topic="payments",
@@ -402,11 +425,13 @@ class Arm:
             topics=None,
             partitions=None,
         )
+        rows = await self.query.fetch(conn, **{name: values[name] for name in self.query.params})
         fresh = self.variant.sort(rows, batch[0])
         self.cpu += time.process_time() - cpu
         self.wall += time.perf_counter() - started
         self.calls += 1
-        if rows[0]["fenced"] != 1 or len(fresh) != len(batch[0]):
+        fenced = self.variant.whole or rows[0]["fenced"] == 1
+        if not fenced or len(fresh) != len(batch[0]):
             raise RuntimeError(f"{self.variant.name}: the fence or the claim did not hold")
 
 
@@ -436,9 +461,9 @@ async def claim(dsn: str, size: int, calls: int, rounds: int) -> list[tuple[str,
         await conn.execute(f"CREATE SCHEMA {sql.quote(schema)}")
         core = (sql.migrations_dir() / "0001_core.sql").read_text(encoding="utf-8")
         await conn.execute(sql.render(core, schema))
+        await conn.execute(f"CREATE TABLE {sql.quote(schema)}.claims (key text PRIMARY KEY)")
         arms_ = [
-            Arm(v, _query(f"claim_{i}", _FENCE + v.claim + _UPSERT + v.returning, schema), i)
-            for i, v in enumerate(VARIANTS)
+            Arm(v, _query(f"claim_{i}", v.statement(), schema), i) for i, v in enumerate(VARIANTS)
         ]
         # Today's statement is dedup's own, word for word.
         arms_[0].query = sql.Queries(schema).fence_and_claim
