@@ -11,10 +11,21 @@ import orjson
 
 from dedup import _errors as errors
 
+_UNDECODED: Any = object()
+"""``Message._decoded`` before the value is decoded (a JSON ``null`` decodes to ``None``)."""
+
 
 @dataclass(slots=True, eq=False)
 class Message:
-    """One Kafka record, with the idempotency key dedup took from it."""
+    """One Kafka record, with the idempotency key dedup took from it.
+
+    The value is decoded from JSON at most once for both dedup and the handler:
+    a ``json_field`` key strategy decodes it, and :meth:`json` hands the handler
+    that same object.  What dedup keeps of a message (``idempotency_key``, the
+    payload hash and the dead letter) comes from the key and the raw ``value``,
+    never from that object, so a handler that changes it changes only its own
+    view (see :meth:`json`).
+    """
 
     topic: str
     """The topic it was read from."""
@@ -39,12 +50,22 @@ class Message:
     tombstone: bool = False
     """True when the record's value was null (a tombstone, e.g. a delete on a compacted topic):
     ``value`` is then ``b""``, and a dead letter keeps the null."""
-    _decoded: Any = field(default=None, repr=False)
+    # Not init fields: dataclasses.replace(msg, value=...) starts undecoded.
+    _decoded: Any = field(default=_UNDECODED, init=False, repr=False)
+    _handed_out: bool = field(default=False, init=False, repr=False)
 
     def json(self) -> Any:
-        """The value decoded as JSON (orjson), decoded once and kept."""
-        if self._decoded is None:
+        """The value decoded as JSON (orjson): decoded once, the same object on every call.
+
+        It is the handler's to read.  To change it, change a copy
+        (``copy.deepcopy(msg.json())``, or ``orjson.loads(msg.value)``): the
+        handler runs again on the same message when its transaction is retried,
+        and would find its own changes there.  dedup itself never reads it once
+        it was handed out (:func:`decoded`).
+        """
+        if self._decoded is _UNDECODED:
             self._decoded = orjson.loads(self.value)
+        self._handed_out = True
         return self._decoded
 
     @property
@@ -55,21 +76,45 @@ class Message:
     @classmethod
     def from_record(cls, record: Any) -> Message:
         """Build a message from an ``aiokafka.ConsumerRecord``."""
-        raw = tuple(record.headers or ())
-        headers = dict(raw)
-        if None in headers.values():  # rare: keep the lookup dict all bytes
-            headers = {name: b"" if value is None else value for name, value in headers.items()}
+        raw = record.headers
+        if type(raw) is not tuple:
+            raw = tuple(raw or ())
+        if raw:
+            headers = dict(raw)
+            if None in headers.values():  # rare: keep the lookup dict all bytes
+                headers = {name: b"" if v is None else v for name, v in headers.items()}
+        else:
+            headers = {}  # most records have none: no dict() call, no scan
+        value = record.value
+        # Positional: a call by keyword costs twice as much, once per record.
         return cls(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-            value=record.value if record.value is not None else b"",
-            headers=headers,
-            timestamp=record.timestamp,
-            raw_headers=raw,
-            tombstone=record.value is None,
+            record.topic,
+            record.partition,
+            record.offset,
+            record.key,
+            b"" if value is None else value,
+            headers,
+            record.timestamp,
+            "",
+            raw,
+            value is None,
         )
+
+
+def decoded(msg: Message) -> Any:
+    """``msg``'s value decoded as JSON, for dedup's own reading (the key strategies).
+
+    Decoded once and kept for :meth:`Message.json`.  Once the handler (or the
+    caller of :func:`dedup.claim`) was given that object it may have changed
+    it, so the value is then decoded anew: a key always comes from the bytes
+    that were sent, as it will from a redelivery of them.  Raises
+    ``orjson.JSONDecodeError``.
+    """
+    if msg._handed_out:
+        return orjson.loads(msg.value)
+    if msg._decoded is _UNDECODED:
+        msg._decoded = orjson.loads(msg.value)
+    return msg._decoded
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,7 +104,7 @@ def _top_level_field(name: str) -> Strategy:
 
     def from_json(msg: message_.Message) -> str | None:
         try:
-            doc = msg.json()
+            doc = message_.decoded(msg)
         except orjson.JSONDecodeError as exc:
             raise errors.KeyExtractionError(f"invalid JSON: {exc}") from exc
         value = doc.get(name) if type(doc) is dict else None
@@ -243,7 +243,7 @@ def shorten(text: str, limit: int = MAX_REASON_CHARS) -> str:
 
 def _decode(msg: message_.Message) -> Any:
     try:
-        return msg.json()
+        return message_.decoded(msg)
     except orjson.JSONDecodeError as exc:
         raise errors.KeyExtractionError(f"invalid JSON: {exc}") from exc
 

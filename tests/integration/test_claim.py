@@ -80,6 +80,31 @@ async def test_a_redelivered_batch_is_all_duplicates_and_counted_once_more(dsn: 
     assert where(again.duplicates) == [(0, 0)]
 
 
+async def test_a_message_whose_json_the_caller_changed_is_claimed_by_the_key_it_was_sent_with(
+    dsn: str,
+) -> None:
+    # A caller that builds its row from msg.json() (taking the id out) before it claims.
+    records = [record(0, {"id": "a", "amount": 5}), record(1, {"id": "b", "amount": 7})]
+    msgs = [dedup.Message.from_record(r) for r in records]
+    row = msgs[0].json()
+    del row["id"]
+    msgs[1].json()["id"] = "a"
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            got = await dedup.claim(conn, msgs, namespace="pay", key=KEY)
+        async with conn.transaction():  # the same records, delivered again
+            again = await dedup.claim(conn, records, namespace="pay", key=KEY)
+        found = await rows.dedup_rows(conn)
+    finally:
+        await conn.close()
+    assert (where(got.fresh), got.dead_lettered, got.conflicts) == ([(0, 0), (0, 1)], [], [])
+    assert (again.fresh, where(again.duplicates)) == ([], [(0, 0), (0, 1)])
+    assert found["processed"] == [("pay", "a", 1, 0), ("pay", "b", 1, 0)]
+    assert found["dead_letters"] == []
+    assert row == {"amount": 5}, "the caller's object is left as the caller made it"
+
+
 async def test_a_rolled_back_transaction_takes_its_claims_with_it(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:

@@ -8,6 +8,7 @@ expected value to make a test pass.
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
 import itertools
 import json
@@ -15,6 +16,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiokafka.structs import ConsumerRecord
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -408,3 +410,85 @@ def test_any_text_id_round_trips_through_json_field(ident: str) -> None:
 def test_message_json_is_decoded_once() -> None:
     m = msg(b'{"a": 1}')
     assert m.json() is m.json()
+
+
+def test_the_key_strategy_and_the_handler_share_one_decoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decodings: list[bytes] = []
+    loads = orjson.loads
+
+    def counted(value: bytes) -> Any:
+        decodings.append(value)
+        return loads(value)
+
+    monkeypatch.setattr(orjson, "loads", counted)
+    m = msg(b'{"id": "pay-1", "amount": 5}')
+    m.idempotency_key = keys.extract(keys.json_field("id"), m)
+    body = m.json()
+    assert (m.idempotency_key, body, m.json() is body) == (
+        "pay-1",
+        {"id": "pay-1", "amount": 5},
+        True,
+    )
+    assert decodings == [m.value], "decoded once, for the key and the handler"
+
+
+@pytest.mark.parametrize(
+    "strategy", [keys.json_field("id"), keys.json_field("id", "n"), keys.json_field("doc.id")]
+)
+def test_a_key_comes_from_the_bytes_sent_even_after_json_was_changed(
+    strategy: keys.Strategy,
+) -> None:
+    value = b'{"id": "pay-1", "n": 7, "doc": {"id": "pay-1"}}'
+    m = msg(value)
+    body = m.json()
+    body["id"] = "other"
+    body.pop("n")
+    body["doc"].clear()
+    # A redelivery of the same bytes is a new message: it must get the same key.
+    assert keys.extract(strategy, m) == keys.extract(strategy, msg(value))
+    assert m.json() is body, "the caller's own object stays theirs"
+
+
+def test_a_value_that_is_json_null_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    decodings: list[bytes] = []
+    loads = orjson.loads
+    monkeypatch.setattr(orjson, "loads", lambda value: decodings.append(value) or loads(value))
+    m = msg(b"null")
+    assert (m.json(), m.json(), len(decodings)) == (None, None, 1)
+
+
+def test_a_replaced_value_is_decoded_anew() -> None:
+    m = msg(b'{"id": "a"}')
+    assert m.json() == {"id": "a"}
+    changed = dataclasses.replace(m, value=b'{"id": "b"}')
+    assert changed.json() == {"id": "b"}
+    assert keys.extract(keys.json_field("id"), changed) == "b"
+
+
+def test_a_message_from_a_record_keeps_what_the_record_holds() -> None:
+    plain = dedup.Message.from_record(record(b'{"id": 1}', ()))
+    assert (plain.where, plain.key, plain.value, plain.timestamp) == (
+        "t:2:9",
+        b"k",
+        b'{"id": 1}',
+        5,
+    )
+    assert (plain.headers, plain.raw_headers, plain.tombstone) == ({}, (), False)
+    raw = (("a", b"1"), ("n", None), ("a", b"2"))
+    many = dedup.Message.from_record(record(None, list(raw)))
+    assert (many.headers, many.raw_headers) == ({"a": b"2", "n": b""}, raw)
+    assert (many.value, many.tombstone) == (b"", True)
+    plain.headers["x"] = b"y"
+    assert dedup.Message.from_record(record(b"{}", ())).headers == {}, "a dict of its own"
+    assert repr(plain) == (
+        "Message(topic='t', partition=2, offset=9, key=b'k', value=b'{\"id\": 1}', "
+        "headers={'x': b'y'}, timestamp=5, idempotency_key='', raw_headers=(), tombstone=False)"
+    )
+    assert plain != dedup.Message.from_record(record(b'{"id": 1}', ())), "one message, one record"
+
+
+def record(value: bytes | None, headers: Any) -> ConsumerRecord[bytes, bytes]:
+    size = 0 if value is None else len(value)
+    return ConsumerRecord("t", 2, 9, 5, 0, b"k", value, None, 1, size, headers)
