@@ -18,7 +18,6 @@ commit the claim without the write it guards.
 from __future__ import annotations
 
 import inspect
-import itertools
 import re
 import types
 from collections.abc import Callable, Coroutine
@@ -27,6 +26,7 @@ from typing import Any
 import asyncpg
 
 from dedup import _errors as errors
+from dedup import _sql as sql
 
 _ENDS_TRANSACTION = re.compile(
     r"(commit|end|abort|prepare\s+transaction|rollback(?!\s+to\b))\b", re.IGNORECASE
@@ -134,7 +134,7 @@ class GuardedConnection:
         check_open(self._conn)
 
 
-_savepoints = itertools.count(1)
+_QUERIES = sql.Queries()  # the schema-less ones (connections.sql)
 
 
 class Savepoint:
@@ -143,16 +143,15 @@ class Savepoint:
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self._conn = conn
-        self._name = f"dedup_savepoint_{next(_savepoints)}"
 
     async def start(self) -> None:
-        await self._conn.execute(f"SAVEPOINT {self._name}")
+        await _QUERIES.savepoint.execute(self._conn)
 
     async def commit(self) -> None:
-        await self._conn.execute(f"RELEASE SAVEPOINT {self._name}")
+        await _QUERIES.release_savepoint.execute(self._conn)
 
     async def rollback(self) -> None:
-        await self._conn.execute(f"ROLLBACK TO SAVEPOINT {self._name}")
+        await _QUERIES.rollback_to_savepoint.execute(self._conn)
 
     async def __aenter__(self) -> Savepoint:
         await self.start()

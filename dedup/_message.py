@@ -10,6 +10,7 @@ import asyncpg
 import orjson
 
 from dedup import _errors as errors
+from dedup import _sql as sql
 
 _UNDECODED: Any = object()
 """``Message._decoded`` before the value is decoded (a JSON ``null`` decodes to ``None``)."""
@@ -141,16 +142,7 @@ class Tx:
         """
         if not keys:
             return
-        await self.conn.execute(_LOCK_KEYS, self.namespace, list(keys))
-
-
-# Locks by a 64-bit hash of namespace and key, in the hashes' order (the subquery's
-# ORDER BY): every transaction takes any two of them in the same order.
-_LOCK_KEYS = """
-SELECT pg_advisory_xact_lock(h)
-  FROM (SELECT DISTINCT hashtextextended($1::text || chr(31) || k, 0) AS h
-          FROM unnest($2::text[]) AS k ORDER BY h) AS sorted
-"""
+        await sql.Queries().lock_keys.execute(self.conn, namespace=self.namespace, keys=list(keys))
 
 
 class Outcome(enum.Enum):

@@ -43,9 +43,13 @@ Position = results.Position
 BatchResult = results.BatchResult
 
 
+HASH_BYTES = 16
+"""The size of a payload hash; the claim statements read them from one bytea by it."""
+
+
 def payload_hash(value: bytes) -> bytes:
     """The 16-byte BLAKE2b digest stored with each key to tell duplicates from conflicts."""
-    return hashlib.blake2b(value, digest_size=16).digest()
+    return hashlib.blake2b(value, digest_size=HASH_BYTES).digest()
 
 
 def take_key(
@@ -273,7 +277,7 @@ class Store:
             namespace=self.namespace,
             keys=claimed,
             offsets=[first[k][0].offset for k in claimed],
-            hashes=[first[k][1] for k in claimed],
+            hashes=b"".join(first[k][1] for k in claimed),
             parts=[first[k][2] + 1 for k in claimed],
             idle_timeout_ms=str(round(idle_timeout * 1000)),
         )
@@ -321,7 +325,7 @@ class Store:
                 namespace=self.namespace,
                 keys=claimed,
                 offsets=[m.offset for m in found],
-                hashes=[first[k][1] for k in claimed],
+                hashes=b"".join(first[k][1] for k in claimed),
                 topics=[m.topic for m in found],
                 partitions=[m.partition for m in found],
             )

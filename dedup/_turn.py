@@ -294,7 +294,7 @@ def _process_attributes(s: Settings, parts: Sequence[store.Part]) -> dict[str, A
         if count:
             attributes["messaging.batch.message_count"] = count
         return attributes
-    single = (first.msgs or [d.msg for d in first.dead])[0]
+    single = next(m for p in parts for m in [*p.msgs, *(d.msg for d in p.dead)])
     attributes["messaging.kafka.offset"] = single.offset
     if single.key is not None:
         key = telemetry.key_attribute(single.key)

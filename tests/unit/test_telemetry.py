@@ -161,7 +161,7 @@ def test_statements_are_summarized_by_operation_and_table() -> None:
     assert queries.fence_and_claim.operation == "UPDATE"
     assert queries.fence_and_claim.summary == "UPDATE tenant.partitions INSERT tenant.processed"
     assert queries.record_events.summary == "INSERT tenant.events"
-    assert queries.serialize_group.summary == "SELECT"
+    assert queries.lock_keys.summary == "SELECT"
 
 
 def test_error_type_is_the_sqlstate_or_the_class_name() -> None:

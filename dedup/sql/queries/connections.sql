@@ -36,3 +36,24 @@ SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE; C
 -- A consumer lane's transaction failed: ROLLBACK, then reset the session (as
 -- reset_session does), in one round trip.
 ROLLBACK; SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE
+
+-- name: savepoint
+-- tx.conn.transaction() inside a consumer's handler (dedup/_guard.py): a
+-- savepoint.  One name serves every level: Postgres releases (or rolls back
+-- to) the latest savepoint of a name, so nested blocks unwind in order.
+SAVEPOINT dedup_savepoint
+
+-- name: release_savepoint
+RELEASE SAVEPOINT dedup_savepoint
+
+-- name: rollback_to_savepoint
+ROLLBACK TO SAVEPOINT dedup_savepoint
+
+-- name: lock_keys
+-- tx.lock(*keys) (dedup/_message.py): a transaction-scoped advisory lock on a
+-- 64-bit hash of :namespace and each of :keys, in the hashes' order (the
+-- subquery's ORDER BY), so any two transactions take any two of them in the
+-- same order and can't deadlock on them.
+SELECT pg_advisory_xact_lock(h)
+  FROM (SELECT DISTINCT hashtextextended(:namespace::text || chr(31) || k, 0) AS h
+          FROM unnest(:keys::text[]) AS k ORDER BY h) AS sorted

@@ -63,7 +63,9 @@ SELECT p.topic, p."partition", p.holder, p.token, p.next_offset
 -- partition's offset (:topics[i], :partitions[i]) to :next_offsets[i] only
 -- while :tokens[i] is current and the offset is where this holder left it
 -- (:expected[i]); the claim inserts the keys of the fenced partitions only
--- (:parts[j] is the 1-based partition of :keys[j]), in the order given (key
+-- (:parts[j] is the 1-based partition of :keys[j]; :hashes, their 16-byte
+-- payload hashes one after another, in one bytea: an array of them costs the
+-- client several times as much to send), in the order given (key
 -- order, so transactions that share keys can't deadlock on them).  A key seen
 -- before gets its duplicate (same payload hash) or conflict (different hash)
 -- counted instead.  The answer: `fenced`, the partitions whose fence held
@@ -85,9 +87,9 @@ WITH fence AS (
     INSERT INTO {schema}.processed AS p
         (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
     SELECT :namespace, x.k, (:topics::text[])[x.i], (:partitions::int[])[x.i], x.o,
-           (:tokens::bigint[])[x.i], x.h
-      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[], :parts::int[])
-           AS x(k, o, h, i)
+           (:tokens::bigint[])[x.i], substring(:hashes::bytea FROM x.n::int * 16 - 15 FOR 16)
+      FROM unnest(:keys::text[], :offsets::bigint[], :parts::int[])
+           WITH ORDINALITY AS x(k, o, i, n)
      WHERE x.i IN (SELECT i FROM fence)
     ON CONFLICT (namespace, idempotency_key) DO UPDATE
        SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
@@ -109,9 +111,9 @@ SELECT (SELECT array_agg(i::int) FROM fence) AS fenced, c.idempotency_key, c.pay
 WITH claim AS (
     INSERT INTO {schema}.processed AS p
         (namespace, idempotency_key, topic, "partition", "offset", token, payload_hash)
-    SELECT :namespace, k, t, part, o, NULL, h
-      FROM unnest(:keys::text[], :offsets::bigint[], :hashes::bytea[],
-                  :topics::text[], :partitions::int[]) AS x(k, o, h, t, part)
+    SELECT :namespace, k, t, part, o, NULL, substring(:hashes::bytea FROM n::int * 16 - 15 FOR 16)
+      FROM unnest(:keys::text[], :offsets::bigint[], :topics::text[], :partitions::int[])
+           WITH ORDINALITY AS x(k, o, t, part, n)
     ON CONFLICT (namespace, idempotency_key) DO UPDATE
        SET duplicates = p.duplicates + (p.payload_hash = EXCLUDED.payload_hash)::int,
            conflicts = p.conflicts + (p.payload_hash <> EXCLUDED.payload_hash)::int,
