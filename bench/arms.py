@@ -241,11 +241,13 @@ class Clock:
             total[0] += 1
             total[1] += record.elapsed
         verb = record.query.lstrip()[:8].upper()
+        # dedup sends its session reset and COMMIT as one message ("...; COMMIT").
+        last = record.query.rstrip().rstrip(";").rsplit(";", 1)[-1].strip()[:8].upper()
         if verb.startswith("ROLLBACK"):
             # A batch that rolled back (a deadlock) is applied again, maybe on another lane.
             self.pending.get(key, []).clear()
             return
-        if record.exception is not None or not verb.startswith("COMMIT"):
+        if record.exception is not None or not last.startswith("COMMIT"):
             return
         now = time.perf_counter()
         self.last_commit = now

@@ -35,7 +35,8 @@ async def run(
     deadline_s: float | None,
     namespace: str = "",
 ) -> None:
-    """Run ``handler`` on ``msgs`` (once for a batch handler, else once per message, in order).
+    """Run ``handler`` on ``msgs`` (once for a batch handler, else once per message, in order);
+    ``tx.token`` is ``token``, the token every one of ``msgs`` runs under.
 
     A per-message handler's exception carries the failing message's offset
     (see :func:`failed_offset`), so the worker can split the batch around it.
@@ -51,6 +52,7 @@ async def run(
         except Exception as exc:
             with contextlib.suppress(AttributeError):
                 exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
+                exc._dedup_partition = (msg.topic, msg.partition)  # type: ignore[attr-defined]
             raise
 
 
@@ -127,6 +129,12 @@ def failed_offset(exc: BaseException) -> int | None:
     """The offset of the message whose (per-message) handler raised ``exc``, if known."""
     offset = getattr(exc, "_dedup_offset", None)
     return offset if isinstance(offset, int) else None
+
+
+def failed_partition(exc: BaseException) -> tuple[str, int] | None:
+    """The (topic, partition) of the message whose handler raised ``exc``, if known."""
+    where = getattr(exc, "_dedup_partition", None)
+    return where if isinstance(where, tuple) else None
 
 
 def describe(value: Any) -> str:

@@ -114,8 +114,7 @@ async def _transaction(
         began = time.monotonic()
         try:
             found = await _fence_and_claim(conn, s, parts)
-            for part, result in zip(parts, found, strict=True):
-                await _handle(conn, s, part, result)
+            await _handle(conn, s, parts, found)
             with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema)):
                 await _commit(conn, parts)
         except BaseException as exc:
@@ -180,36 +179,68 @@ async def _fence_and_claim(
 
 
 async def _handle(
-    conn: asyncpg.Connection, s: Settings, part: store.Part, result: results.BatchResult
+    conn: asyncpg.Connection,
+    s: Settings,
+    parts: Sequence[store.Part],
+    found: Sequence[results.BatchResult],
 ) -> None:
-    """One partition's handler calls, then its dead letters and events."""
-    if result.applied:
+    """The handler, on the fresh messages of every part held under the same token at once;
+    then each part's dead letters and events."""
+    for token, group in _by_token(parts, found):
+        msgs = [m for _, result in group for m in result.applied]
+        if not msgs:
+            continue
         started = time.monotonic()
         try:
             await handler_.run(
                 s.handler,
                 batch_handler=s.batch_handler,
-                msgs=result.applied,
+                msgs=msgs,
                 conn=conn,
-                token=part.fence.token,
+                token=token,
                 deadline_s=s.handler_timeout,
                 namespace=s.namespace,
             )
         except Exception as exc:
-            raise _handler_failure(conn, s, exc, part, time.monotonic() - started) from None
-        telemetry.transition("applied", {"namespace": s.namespace, "count": len(result.applied)})
-    try:
-        await s.store.record_outcomes(conn, result, part.fence)
-        await faults.point(
-            faults.Point.BEFORE_COMMIT,
-            conn=conn,
-            fence=part.fence,
-            msgs=part.msgs,
-            dead=part.dead,
-            result=result,
-        )
-    except asyncpg.InFailedSQLTransactionError as exc:
-        raise retry.HandlerFailed(_ABORTED, part) from exc
+            failed = _failed_part(exc, [part for part, _ in group])
+            raise _handler_failure(conn, s, exc, failed, time.monotonic() - started) from None
+        telemetry.transition("applied", {"namespace": s.namespace, "count": len(msgs)})
+    for part, result in zip(parts, found, strict=True):
+        try:
+            await s.store.record_outcomes(conn, result, part.fence)
+            await faults.point(
+                faults.Point.BEFORE_COMMIT,
+                conn=conn,
+                fence=part.fence,
+                msgs=part.msgs,
+                dead=part.dead,
+                result=result,
+            )
+        except asyncpg.InFailedSQLTransactionError as exc:
+            raise retry.HandlerFailed(_ABORTED, part) from exc
+
+
+def _by_token(
+    parts: Sequence[store.Part], found: Sequence[results.BatchResult]
+) -> list[tuple[int, list[tuple[store.Part, results.BatchResult]]]]:
+    """The turn's parts grouped by their token, so ``tx.token`` is every message's own.
+
+    Partitions taken together share their token until a rebalance moves one of
+    them: then the batch handler is called once per token, still in one
+    transaction.
+    """
+    groups: dict[int, list[tuple[store.Part, results.BatchResult]]] = {}
+    for part, result in zip(parts, found, strict=True):
+        groups.setdefault(part.fence.token, []).append((part, result))
+    return list(groups.items())
+
+
+def _failed_part(exc: BaseException, parts: Sequence[store.Part]) -> store.Part | None:
+    """The part whose message a per-message handler failed on (None: not known)."""
+    where = handler_.failed_partition(exc)
+    if len(parts) == 1:
+        return parts[0]
+    return next((p for p in parts if (p.topic, p.partition) == where), None)
 
 
 _ABORTED = errors.HandlerError(
@@ -234,7 +265,7 @@ async def _commit(conn: asyncpg.Connection, parts: Sequence[store.Part]) -> None
 
 
 def _handler_failure(
-    conn: asyncpg.Connection, s: Settings, exc: Exception, part: store.Part, took: float
+    conn: asyncpg.Connection, s: Settings, exc: Exception, part: store.Part | None, took: float
 ) -> Exception:
     """What a handler's exception means for the retry policy.
 
