@@ -330,6 +330,7 @@ class Store:
                 partitions=[m.partition for m in found],
             )
             await self._sort_claimed(conn, [result], rows, first, copies)
+            result.applied.sort(key=_where)  # the caller's records came in any order
         await outcomes.record(conn, self.queries, self.namespace, result, None)
         return result
 
@@ -345,8 +346,9 @@ class Store:
 
         ``rows`` name only the keys seen before this statement, with what they hold.
         """
-        # What each key now holds: its payload hash and where that payload came from.
-        stored: dict[str, tuple[bytes, str]] = {}
+        # What each key now holds: its payload hash and where that payload came from
+        # (a message of this statement, or a row's topic:partition:offset).
+        stored: dict[str, tuple[bytes, message_.Message | str]] = {}
         for row in rows:
             key = row["idempotency_key"]
             if key is None:  # no key seen before: the statement's one row
@@ -355,17 +357,17 @@ class Store:
                 row["payload_hash"],
                 f"{row['topic']}:{row['partition']}:{row['offset']}",
             )
+        # Each part's messages come in offset order, and so go its fresh ones.
         for key, (msg, digest, i) in first.items():
             held = stored.get(key)
             if held is None:
                 found[i].applied.append(msg)
-                stored[key] = (digest, msg.where)
+                if copies:
+                    stored[key] = (digest, msg)
             else:
                 self._classify(found[i], msg, digest, held)
         if copies:
             await self._count_copies(conn, found, copies, stored)
-        for result in found:
-            result.applied.sort(key=_offset)
         applied = sum(len(r.applied) for r in found)
         # Per statement, not per message: a span event per message would cost more
         # than the rest of the happy path.
@@ -376,10 +378,11 @@ class Store:
         result: results.BatchResult,
         msg: message_.Message,
         digest: bytes,
-        stored: tuple[bytes, str],
+        stored: tuple[bytes, message_.Message | str],
     ) -> bool:
         """File a copy of a claimed key as a duplicate or a conflict; True if a duplicate."""
-        stored_digest, original = stored
+        stored_digest, source = stored
+        original = source if isinstance(source, str) else source.where
         if digest == stored_digest:
             result.duplicates.append(msg)
             return True
@@ -399,7 +402,7 @@ class Store:
         conn: asyncpg.Connection,
         found: list[results.BatchResult],
         copies: list[tuple[message_.Message, bytes, int]],
-        stored: dict[str, tuple[bytes, str]],
+        stored: dict[str, tuple[bytes, message_.Message | str]],
     ) -> None:
         """Classify the statement's further copies of a key and count them on its row."""
         counts: dict[str, list[int]] = {}  # key -> [duplicates, conflicts]
@@ -416,8 +419,8 @@ class Store:
         )
 
 
-def _offset(msg: message_.Message) -> int:
-    return msg.offset
+def _where(msg: message_.Message) -> tuple[str, int, int]:
+    return msg.topic, msg.partition, msg.offset
 
 
 def _first_copies(
