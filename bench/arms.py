@@ -25,6 +25,7 @@ import array
 import asyncio
 import collections
 import functools
+import os
 import resource
 import sys
 import time
@@ -689,12 +690,15 @@ def _dedup_handler(cfg: Config, clock: Clock) -> tuple[Any, dict[str, Any]]:
         await tx.conn.execute(workload.HOT_PAYMENT, p["id"], p["account"], p["amount"])
         clock.applied(tx.conn, [(msg.partition, msg.offset)])
 
+    # BENCH_DEDUP_OPTIONS (a JSON object) tries other IdempotentConsumer options on every
+    # dedup arm but the serial hot-row one, e.g. {"concurrency": 2} to choose its default.
+    tried = orjson.loads(os.environ.get("BENCH_DEDUP_OPTIONS", "{}"))
     if cfg.arm in HOT_ARMS:
         # Everything at dedup's defaults but, in the serial arm, one lane.
-        return apply_payment, {"concurrency": 1} if cfg.arm == "hot_rows_serial" else {}
+        return apply_payment, {"concurrency": 1} if cfg.arm == "hot_rows_serial" else tried
     if cfg.arm == "dedup_per_message":
-        return handle_one, {"batch_size": 1}
-    options: dict[str, Any] = {"batch": True, **cfg.dedup_options}
+        return handle_one, {"batch_size": 1, **tried}
+    options: dict[str, Any] = {"batch": True, **tried, **cfg.dedup_options}
     if cfg.batch_size is not None:
         options["batch_size"] = cfg.batch_size
     return handle_batch, options
