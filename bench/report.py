@@ -26,7 +26,7 @@ BEGIN = "<!-- bench:throughput:begin -->"
 END = "<!-- bench:throughput:end -->"
 
 
-LANE_STATS = ("deadlocks", "lock_waits")
+LANE_STATS = ("deadlocks",)
 """consumer.stats counts of batches that ran into another lane's locks and ran again alone."""
 
 

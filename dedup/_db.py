@@ -22,7 +22,7 @@ from dedup import _sql as sql
 # too many connections (53300).
 _RETRIABLE_STATES = {"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "53300"}
 
-# A paused worker that still holds row locks inside an open transaction is cut
+# A paused consumer that still holds row locks inside an open transaction is cut
 # off by the server after this long, so a new owner never waits longer.
 IDLE_IN_TRANSACTION_TIMEOUT_MS = 10_000
 
@@ -237,7 +237,7 @@ DATABASE_ERRORS = (
     TimeoutError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
-    # e.g. the server cut the session (idle in transaction) while a worker was paused
+    # e.g. the server cut the session (idle in transaction) while a consumer was paused
     asyncpg.InternalClientError,
 )
 """What talking to Postgres can raise; :func:`is_retriable` tells which are transient."""

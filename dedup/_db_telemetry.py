@@ -1,7 +1,7 @@
 """CLIENT spans and ``db.client.operation.duration`` for each statement dedup sends.
 
 Every named query (:class:`dedup._sql.Query`) runs inside :func:`db_call`, and
-so do a consumer batch's BEGIN, COMMIT and ROLLBACK (:mod:`dedup._batch`).
+so do a consumer batch's BEGIN, COMMIT and ROLLBACK (:mod:`dedup._turn`).
 The handler's own statements are the application's to trace.
 """
 

@@ -2,7 +2,7 @@
 
 A handler's failure (an exception, its deadline passed, a cancellation of its
 own, a transaction it tried to end, a statement or a result it forgot to
-await) is its fault: the worker isolates the
+await) is its fault: the lane isolates the
 message and dead-letters it.  A lost connection is an outage, retried.  The
 difference is drawn here, where the handler is called.
 """
@@ -39,7 +39,7 @@ async def run(
     ``tx.token`` is ``token``, the token every one of ``msgs`` runs under.
 
     A per-message handler's exception carries the failing message's offset
-    (see :func:`failed_offset`), so the worker can split the batch around it.
+    (see :func:`failed_offset`), so the lane can split the batch around it.
     """
     guarded = guard.GuardedConnection(conn)
     tx = message_.Tx(conn=guarded, token=token, namespace=namespace)

@@ -8,8 +8,8 @@ in a statement dedup sent):
 =====================================  =========  ==========================================
 error                                  where      action
 =====================================  =========  ==========================================
-the fence refused a partition          dedup      ``DROP`` it from the turn (another owner has
-                                                  it); the rest runs again at once
+the fence refused a partition (or     dedup      ``DROP`` it from the turn (another owner has
+the handler raised StaleTokenError)               it); the rest runs again at once
 deadlock (40P01)                       anywhere   ``AGAIN`` after a backoff; counted in
                                                   ``stats["deadlocks"]`` and ``dedup.deadlocks``
 serialization failure (40001)          anywhere   ``AGAIN`` after a backoff

@@ -201,6 +201,11 @@ async def _handle(
                 deadline_s=s.handler_timeout,
                 namespace=s.namespace,
             )
+        except errors.StaleTokenError as exc:
+            # The handler's own fence (tx.token against a row it keeps) found a newer
+            # owner: as if dedup's fence had refused the partition.
+            failed = _failed_part(exc, [part for part, _ in group])
+            raise retry.Refused([failed] if failed else [p for p, _ in group]) from exc
         except Exception as exc:
             failed = _failed_part(exc, [part for part, _ in group])
             raise _handler_failure(conn, s, exc, failed, time.monotonic() - started) from None
