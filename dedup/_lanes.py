@@ -349,14 +349,21 @@ class Lane:
             if not work:
                 return
             parts = [w.part() for w in work]
-            conn = await self.connection()
             try:
+                conn = await self.connection()
                 found = await turn.run(conn, self._s, parts, self._stats)
             except retry.Refused as exc:
                 refused = [
                     w for w, p in zip(work, parts, strict=True) if any(p is r for r in exc.parts)
                 ]
-                await self._refused(refused)
+                try:
+                    await self._refused(refused)
+                except Exception as lost:
+                    rule = retry.decide(lost, in_handler=False)
+                    if rule.action is not retry.Action.AGAIN:
+                        raise
+                    tries += 1
+                    await self._again(rule, lost, tries)
                 continue
             except retry.HandlerFailed as exc:
                 rule = retry.decide(exc.error, in_handler=True)

@@ -131,6 +131,8 @@ async def _transaction(
                     raise retry.HandlerFailed(_session_cut(s), part) from exc
             raise
         for part, result in zip(parts, found, strict=True):
+            if not part.size:
+                continue
             await faults.point(
                 faults.Point.AFTER_COMMIT,
                 fence=part.fence,
@@ -211,6 +213,8 @@ async def _handle(
             raise _handler_failure(conn, s, exc, failed, time.monotonic() - started) from None
         telemetry.transition("applied", {"namespace": s.namespace, "count": len(msgs)})
     for part, result in zip(parts, found, strict=True):
+        if not part.size:
+            continue  # only moves the offset past records never handed out
         try:
             await s.store.record_outcomes(conn, result, part.fence)
             await faults.point(
