@@ -19,6 +19,11 @@ its deliberately broken consumers from these points, instead of patching the
 library's private methods.  The points, in the order a consumer's batch meets
 them:
 
+``BEFORE_BEGIN``
+    A lane has taken a turn's records and is about to open its transaction
+    (nothing is locked, no transaction is open).  Context: ``conn``,
+    ``parts`` (the turn's :class:`dedup._store.Part` list: ``topic``,
+    ``partition``, ``fence``, ``msgs``, ``dead``).
 ``BEFORE_FENCE`` / ``AFTER_FENCE``
     Around the statement that moves a partition's offset under its fence
     (the batch's fence-and-claim, or the move past records Kafka never
@@ -57,6 +62,7 @@ Hook = Callable[..., Awaitable[None]]
 class Point(enum.Enum):
     """Where the library awaits :func:`point` (see the module docstring for each)."""
 
+    BEFORE_BEGIN = "before_begin"
     BEFORE_FENCE = "before_fence"
     AFTER_FENCE = "after_fence"
     BEFORE_COMMIT = "before_commit"

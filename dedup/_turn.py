@@ -109,6 +109,7 @@ async def _transaction(
         attributes["dedup.token"] = parts[0].fence.token
     queries = db.queries()
     with telemetry.internal_span("dedup transaction", attributes):
+        await faults.point(faults.Point.BEFORE_BEGIN, conn=conn, parts=parts)
         with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema)):
             await conn.execute(queries.begin.sql)
         began = time.monotonic()

@@ -25,6 +25,9 @@ Commands on stdin, one a line, arm a failpoint for the next batch:
 ``before_commit``  SIGKILL itself after the batch's writes, before COMMIT
 ``after_commit``   SIGKILL itself right after COMMIT, before anything else
 ``pause``          SIGSTOP itself after the batch's writes (the driver sends SIGCONT)
+``pause_before_begin``  SIGSTOP itself with a turn's records taken, before its
+                   transaction begins (nothing locked; after SIGCONT the turn
+                   goes on under the token it had)
 ``slow SECONDS``   the handler works SECONDS, longer than ``max.poll.interval.ms``
 
 Lines on stdout: ``READY <holder>``, ``FAILPOINT <what> <partition> <offset>
@@ -116,6 +119,15 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+STRIKES: dict[str, tuple[str, signal.Signals]] = {
+    "before_commit": ("before_commit", signal.SIGKILL),
+    "after_commit": ("after_commit", signal.SIGKILL),
+    "pause": ("before_commit", signal.SIGSTOP),
+    "pause_before_begin": ("before_begin", signal.SIGSTOP),
+}
+"""What the driver may arm: where it strikes, and the signal it sends this process."""
+
+
 class Failpoints:
     """What the driver armed for the next batch."""
 
@@ -124,12 +136,13 @@ class Failpoints:
         self.slow = 0.0
 
     def strike(self, when: str, partition: int, offset: int, token: int) -> None:
-        """Kill or stop this process if ``when`` is what was armed."""
-        if self.armed != when and not (when == "before_commit" and self.armed == "pause"):
+        """Kill or stop this process if what was armed strikes at ``when``."""
+        where, sig = STRIKES.get(self.armed or "", ("", signal.SIGKILL))
+        if where != when:
             return
         what, self.armed = self.armed, None
         say(f"FAILPOINT {what} {partition} {offset} {token}")
-        os.kill(os.getpid(), signal.SIGSTOP if what == "pause" else signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
     async def listen(self) -> None:
         """Read commands from stdin until it closes."""
@@ -145,6 +158,12 @@ class Failpoints:
 
 def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -> None:
     """Hook the consumer's batch transactions: the batch log and the failpoints."""
+
+    async def before_begin(*, parts: Any, **_: Any) -> None:
+        part = next((p for p in parts if p.size), None)
+        if part is not None and failpoints.armed == "pause_before_begin":
+            first = min(m.offset for m in [*part.msgs, *(d.msg for d in part.dead)])
+            failpoints.strike("before_begin", part.partition, first, part.fence.token)
 
     async def before_commit(
         *, conn: Any, fence: store.Fence, msgs: Any, dead: Any, result: store.BatchResult
@@ -171,6 +190,7 @@ def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -
             say(f"COMMITTED {every[0].partition} {fence.token} {first} {result.next_offset}")
         failpoints.strike("after_commit", every[0].partition, first, fence.token)
 
+    faults.install(faults.Point.BEFORE_BEGIN, before_begin)
     faults.install(faults.Point.BEFORE_COMMIT, before_commit)
     faults.install(faults.Point.AFTER_COMMIT, after_commit)
 

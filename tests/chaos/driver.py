@@ -9,6 +9,9 @@ strikes.  Faults (``Fault.kind``):
     owns partitions; it SIGKILLs itself inside its next batch; respawned later
 ``pause_in_batch``  the member SIGSTOPs itself with a batch written, not committed;
     SIGCONT once others took its partitions over and moved on
+``pause_before_begin``  the member SIGSTOPs itself with a turn's records taken,
+    before its transaction begins; SIGCONT once others took its partitions over:
+    the turn goes on under its old token (the fence refuses it)
 ``pause_between``  SIGSTOP a member wherever it is; SIGCONT likewise
 ``kafka_restart`` / ``kafka_kill``  the broker stopped (SIGTERM / SIGKILL) and started
 ``pg_crash``  ``pg_ctl stop -m immediate``, then started again
@@ -406,8 +409,12 @@ class ConsumerRun(Run):
         kind = f.kind
         if kind in ("kill_before_commit", "kill_after_commit"):
             await self._kill_in_batch(f, kind.removeprefix("kill_"))
-        elif kind in ("pause_in_batch", "pause_between"):
-            await self._pause(f, in_batch=kind == "pause_in_batch")
+        elif kind == "pause_in_batch":
+            await self._pause(f, armed="pause")
+        elif kind == "pause_before_begin":
+            await self._pause(f, armed="pause_before_begin")
+        elif kind == "pause_between":
+            await self._pause(f, armed=None)
         elif kind in ("kafka_restart", "kafka_kill"):
             await self.ctx.services.stop_kafka(kill=kind == "kafka_kill")
             self.note("kafka stopped" + (" (SIGKILL)" if kind == "kafka_kill" else ""))
@@ -478,12 +485,13 @@ class ConsumerRun(Run):
         slot = next(s for s, c in self.slots.items() if c is child)
         await self.start_slot(slot)
 
-    async def _pause(self, f: scenarios.Fault, *, in_batch: bool) -> None:
+    async def _pause(self, f: scenarios.Fault, *, armed: str | None) -> None:
+        """SIGSTOP a member (itself, where ``armed`` strikes), SIGCONT once others took over."""
         child = await self.pick_owner(f.pick)
         n = len(child.lines)
         token = None
-        if in_batch:
-            child.send("pause")
+        if armed is not None:
+            child.send(armed)
             _, line = await child.expect("FAILPOINT", after=n, within=30)
             token = int(line.split()[-1])
             self.note(f"{child.name} stopped itself: {line}")

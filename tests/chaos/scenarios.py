@@ -164,7 +164,7 @@ def kill_schedule(rng: random.Random, size: Size) -> list[Fault]:
 
 
 def pause_schedule(rng: random.Random, size: Size) -> list[Fault]:
-    kinds = _balanced(rng, ["pause_in_batch", "pause_between"], size.faults)
+    kinds = _balanced(rng, ["pause_before_begin", "pause_in_batch", "pause_between"], size.faults)
     return [
         Fault(at, kind, pick=rng.random(), wait=rng.uniform(0.0, 1.0))
         for at, kind in zip(_spread(rng, size.faults, 1.0, 1.5), kinds, strict=True)

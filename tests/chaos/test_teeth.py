@@ -30,8 +30,9 @@ async def test_storing_the_offset_before_the_commit_loses_messages(
 async def test_without_the_fence_a_paused_owner_commits_under_a_stale_token(
     chaos_run: driver.RunContext,
 ) -> None:
-    # Seed 1 of the pause scenario's tiny size pauses a member inside a batch; after
-    # SIGCONT its batch is retried and, with no fence, commits under its old token.
+    # Seed 1 of the pause scenario's tiny size pauses a member with a turn's records
+    # taken, before its BEGIN; after SIGCONT the turn goes on and, with no fence,
+    # commits under its old token.
     result = await driver.run(chaos_run, "pause", 1, matrix="tiny", broken="no_fence")
     print(result.line())
     assert [f for f in result.violations if "did not complete" in f] == []
