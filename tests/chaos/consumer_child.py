@@ -12,10 +12,11 @@ token and holder it ran under.  Every committed batch also leaves a
 of every transaction that moved an offset, not only of those that applied
 something.  ``--handler`` adds what real handlers do:
 
-``hot-rows``  then adds each message's amount to its account's balance
-              (``chaos_accounts``, a few rows every partition shares), one
-              UPDATE per message in offset order, unsorted: the lanes of one
-              consumer and those of several deadlock each other
+``hot-rows``  then adds the amount of each message that names an account to
+              that account's balance (``chaos_accounts``, a few rows every
+              partition shares), one UPDATE per message in offset order,
+              unsorted: the lanes of one consumer and those of several
+              deadlock each other
 ``hang``      a message with ``"hang": true`` makes the handler await forever
               (after its batch's writes, which must roll back); each attempt
               is logged in ``chaos_hangs`` on a connection of its own
@@ -330,6 +331,8 @@ async def main(args: argparse.Namespace) -> None:
             # that touch the same accounts in another order deadlock.
             for m in msgs:
                 body = m.json()
+                if "account" not in body:
+                    continue
                 await writer.execute(
                     "UPDATE chaos_accounts SET balance = balance + $2 WHERE account = $1",
                     body["account"],

@@ -718,7 +718,7 @@ class ConsumerRun(Run):
                 group=self.group,
                 topic=self.topic,
                 passes=1 if self.first_pass else 2,
-                accounts=self.scenario.traffic.accounts,
+                accounts=self.scenario.traffic.accounts > 0,
             )
         r = self.result
         r.messages = len(records)

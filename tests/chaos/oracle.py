@@ -378,7 +378,8 @@ async def check_consumer_run(
             copy = position.get((e["partition"], e["offset"]))
             if copy is not None and copy.kind == "plain":
                 body = orjson.loads(copy.value)
-                expected[body["account"]] += body["amount"]
+                if "account" in body:
+                    expected[body["account"]] += body["amount"]
         balances = await conn.fetch("SELECT account, balance FROM chaos_accounts ORDER BY 1")
         off = [
             (b["account"], b["balance"], expected[b["account"]])

@@ -120,8 +120,13 @@ class Traffic:
     """The same record sent twice in a row (a producer retry)."""
     later_duplicates: float = 0.0
     """An earlier record sent again later, half of them to another partition."""
-    accounts: bool = False
-    """Each plain record names one of the ACCOUNTS accounts its amount goes to."""
+    accounts: float = 0.0
+    """Plain records that name one of the ACCOUNTS accounts their amount goes to.
+
+    Not all of them in ``hot_rows``: when every record does, a backlog's full
+    batches deadlock nearly every time (each deadlock waits out Postgres'
+    ``deadlock_timeout``) and the group never catches up; that handler needs
+    ``tx.lock`` (docs/concepts/guarantees.md)."""
 
 
 Schedule = Callable[[random.Random, Size], list[Fault]]
@@ -350,7 +355,7 @@ SCENARIOS: dict[str, Scenario] = {
             },
             hot_rows_schedule,
             options=ConsumerOptions(handler="hot-rows"),
-            traffic=Traffic(accounts=True),
+            traffic=Traffic(accounts=0.35),
         ),
         Scenario(
             "hang",
@@ -456,7 +461,7 @@ class Messages:
         roll -= t.later_duplicates
         key = f"k{i}"
         body: dict[str, object] = {"id": key, "n": i, "amount": rng.randint(1, 100_000)}
-        if t.accounts:
+        if rng.random() < t.accounts:
             body["account"] = rng.randrange(ACCOUNTS)
         send = Send(key.encode(), orjson.dumps(body), (seq, ("chaos-kind", b"plain")))
         self._sent.append(send)
