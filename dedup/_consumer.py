@@ -137,7 +137,7 @@ class IdempotentConsumer:
         key: keys.Strategy = config.DEFAULT_KEY,
         namespace: str | None = None,
         batch_size: int = config.DEFAULT_BATCH_SIZE,
-        concurrency: int = config.DEFAULT_CONCURRENCY,
+        concurrency: int | None = None,
         batch: bool | None = None,
         schema: str = "dedup",
         holder: str | None = None,
@@ -155,6 +155,7 @@ class IdempotentConsumer:
         config.check_handler(handler)
         missing_key, conflict = config.policies(on_missing_key, on_conflict)
         holder = holder or leases.default_holder()
+        batch_handler = config.is_batch_handler(handler) if batch is None else batch
         self.config = config.Config(
             topics=topics,
             group_id=group_id,
@@ -163,12 +164,14 @@ class IdempotentConsumer:
             kafka_options=config.kafka_options({"client_id": holder, **options}),
             schema=schema,
             pool_options=db.check_pool_options(pool_options, pool=pool),
-            concurrency=concurrency,
+            concurrency=(
+                config.default_concurrency(batch_handler) if concurrency is None else concurrency
+            ),
             namespace=namespace or group_id,
             key=key,
             on_missing_key=missing_key,
             on_conflict=conflict,
-            batch_handler=config.is_batch_handler(handler) if batch is None else batch,
+            batch_handler=batch_handler,
             batch_size=batch_size,
             max_attempts=max_attempts,
             handler_timeout=handler_timeout,
@@ -424,20 +427,14 @@ class IdempotentConsumer:
         fetched: dict[TopicPartition, list[Any]] = {}
         c = self.config
         try:
-            # Without partitions getmany also runs a rebalance that gives us the first ones.
+            # Without partitions getmany also runs a rebalance that gives us the first
+            # ones.  One call takes what the ready partitions have room for, filled
+            # from one partition after another; a full one is left out of the next.
             fetched.update(
                 await self._kafka.getmany(
-                    *ready, timeout_ms=FETCH_WAIT_MS, max_records=c.batch_size
+                    *ready, timeout_ms=FETCH_WAIT_MS, max_records=held.room(ready)
                 )
             )
-            # getmany fills max_records from one partition after another; ask each
-            # other ready partition for what the fetcher already holds.
-            if fetched and len(ready) > 1:
-                for tp in ready:
-                    if tp not in fetched and tp in held.owned:
-                        fetched.update(
-                            await self._kafka.getmany(tp, timeout_ms=0, max_records=c.batch_size)
-                        )
         except aiokafka.errors.OffsetOutOfRangeError as exc:
             await self._resolving(held.out_of_range(exc.args[0]))
         except aiokafka.errors.NoOffsetForPartitionError as exc:

@@ -124,9 +124,23 @@ class Partition:
             self.lane.wake()
 
     @property
+    def room(self) -> int:
+        """How many more records it takes: up to ``batch_size`` (or MIN_QUEUED) wait."""
+        return max(0, self._room - len(self.records)) if self.state is State.OWNED else 0
+
+    @property
     def wants_records(self) -> bool:
-        """True while less than ``batch_size`` (or MIN_QUEUED) records wait."""
-        return self.state is State.OWNED and len(self.records) < self._room
+        """True while it has room."""
+        return self.room > 0
+
+    @property
+    def drained(self) -> bool:
+        """True once at most half its room is queued: time to fetch for it again.
+
+        A partition paused in the fetcher resumes only then, so one that a lane
+        takes a record at a time from is not paused and resumed for each record.
+        """
+        return len(self.records) <= self._room // 2
 
     @property
     def busy(self) -> bool:
@@ -323,7 +337,8 @@ class Lane:
         """Take up to ``most`` records off ``p``'s queue; their keys, or why there is none."""
         queue = p.records
         records = [queue.popleft() for _ in range(min(most, len(queue)))]
-        self._on_room(p.tp)
+        if p.drained:
+            self._on_room(p.tp)
         floor = p.expected if p.expected is not None else -1
         msgs: list[message_.Message] = []
         dead: list[results.DeadLetter] = []

@@ -217,16 +217,24 @@ class Partitions:
         outside it against max_poll_interval_ms); a lane that takes records
         resumes their partition (:meth:`has_room`).
         """
-        stuck = self.beyond_end
-        ready = [tp for tp, p in self.owned.items() if p.wants_records and tp not in stuck]
+        stuck, paused = self.beyond_end, self.paused
+        ready = [
+            tp
+            for tp, p in self.owned.items()
+            if p.wants_records and tp not in stuck and tp not in paused
+        ]
         if self.owned and not ready:
             busy = set(self.owned) - self.paused
             self._kafka.pause(*busy)
             self.paused |= busy
         return ready
 
+    def room(self, ready: list[TopicPartition]) -> int:
+        """The records ``ready`` partitions take in all (at least one)."""
+        return max(1, sum(self.owned[tp].room for tp in ready))
+
     def has_room(self, tp: TopicPartition) -> None:
-        """A lane took records off ``tp``'s queue: fetch for it again."""
+        """A lane took ``tp``'s queue down to half its room: fetch for it again."""
         if tp in self.paused:
             self.paused.discard(tp)
             if tp not in self.beyond_end:

@@ -147,7 +147,10 @@ async def _transaction(
 async def _roll_back(conn: asyncpg.Connection, schema: str) -> None:
     """Roll back and reset the session, in one round trip.
 
-    A rollback that fails because the connection is gone lets the turn's own
+    Nothing to do once the transaction has ended: a COMMIT that failed (a
+    deferred constraint, say) rolled back what the handler set in it (SET and
+    SET ROLE are transactional), and the advisory unlock before it holds.  A
+    rollback that fails because the connection is gone lets the turn's own
     error through (the server rolled back when the session ended); any other
     failure raises in its place, chained to it, as asyncpg's ``async with
     conn.transaction()`` does.
@@ -266,12 +269,16 @@ async def _commit(conn: asyncpg.Connection, parts: Sequence[store.Part]) -> None
     A handler's ``SET search_path``, ``SET ROLE`` or advisory lock must not meet
     the lane's next turn; the reset runs inside the transaction, before its
     COMMIT, so it is one message with it.  A transaction the handler left
-    aborted fails here, before the COMMIT, and rolls back.
+    aborted fails here, before the COMMIT, and rolls back; so does one whose
+    writes break a deferred constraint, at the COMMIT: both are the handler's
+    failures.
     """
     try:
         await conn.execute(db.queries().commit_and_reset.sql)
     except asyncpg.InFailedSQLTransactionError as exc:
         raise retry.HandlerFailed(_ABORTED, parts[0]) from exc
+    except asyncpg.IntegrityConstraintViolationError as exc:
+        raise retry.HandlerFailed(exc, parts[0]) from exc
 
 
 def _handler_failure(

@@ -109,8 +109,8 @@ async def _shown(conn: Any) -> tuple[str, ...]:
 async def test_a_handler_sees_the_roles_own_lock_timeout(
     given: str, bootstrap_servers: str, topics: Topics, pool: Any, login_as: LoginAs
 ) -> None:
-    """Four partitions on the default concurrency: whichever lane a batch runs on, its
-    handler sees the role's lock_timeout and statement_timeout, and dedup's deadline."""
+    """Four partitions on four lanes: whichever lane a batch runs on, its handler sees
+    the role's lock_timeout and statement_timeout, and dedup's deadline."""
     topic = await topics.create(partitions=4)
     login = await _login_with_timeouts(pool, login_as)
     await _produce_per_partition(bootstrap_servers, topic, 4, 5)
@@ -128,6 +128,7 @@ async def test_a_handler_sees_the_roles_own_lock_timeout(
         user_pool,
         dsn=login if user_pool is None else None,
         handler_timeout=HANDLER_TIMEOUT,
+        concurrency=4,
     )
     try:
         async with support.running(consumer):
@@ -394,3 +395,49 @@ async def _true(value: Any) -> bool:
     if asyncio.iscoroutine(value):
         value = await value
     return bool(value)
+
+
+async def test_a_deferred_constraint_the_commit_breaks_is_a_handler_failure(
+    bootstrap_servers: str, topics: Topics, pool: Any
+) -> None:
+    """The handler of "bad" writes a row that breaks a deferred unique constraint, which
+    fails at COMMIT: the handler's failure (tried max_attempts times, then dead-lettered),
+    not dedup's (which would stop the consumer); the handler's SET in that transaction
+    does not reach the next one on the connection, and the rest apply once."""
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    await pool.execute(
+        "CREATE TABLE ledger (ref text, CONSTRAINT one_ref UNIQUE (ref)"
+        " DEFERRABLE INITIALLY DEFERRED)"
+    )
+    keys_ = ["m0", "m1", "bad", "m3", "m4"]
+    await helpers.produce(bootstrap_servers, topic, [(None, _item(k)) for k in keys_])
+    bad_calls = 0
+    names: dict[str, str] = {}
+
+    async def handler(msg: dedup.Message, tx: dedup.Tx) -> None:
+        nonlocal bad_calls
+        names[msg.idempotency_key] = await tx.conn.fetchval("SHOW application_name")
+        if msg.idempotency_key == "bad":
+            bad_calls += 1
+            await tx.conn.execute("SET application_name = 'set-by-bad'")
+            await tx.conn.execute("INSERT INTO ledger VALUES ('same'), ('same')")
+        await support.record_effect(msg, tx)
+
+    consumer = support.consumer(
+        handler, topic, bootstrap_servers, pool, concurrency=1, batch_size=1, max_attempts=3
+    )
+    async with support.running(consumer):
+        await _settle(pool, topic, {0: 5})
+
+    assert bad_calls == 3, "tried max_attempts times"
+    letter = await pool.fetchrow(
+        "SELECT error, attempts FROM dedup.dead_letters WHERE idempotency_key = 'bad'"
+    )
+    assert letter is not None, await dead_letter_reasons(pool)
+    assert "UniqueViolationError" in letter["error"], letter["error"]
+    assert letter["attempts"] == 3
+    assert await _effect_keys(pool) == ["m0", "m1", "m3", "m4"]
+    assert "set-by-bad" not in {names["m3"], names["m4"]}
+    assert await pool.fetchval("SELECT count(*) FROM ledger") == 0
+    assert consumer.stats["dead_lettered"] == 1
