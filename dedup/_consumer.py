@@ -427,13 +427,13 @@ class IdempotentConsumer:
         fetched: dict[TopicPartition, list[Any]] = {}
         c = self.config
         try:
-            # Without partitions getmany also runs a rebalance that gives us the first
-            # ones.  One call takes what the ready partitions have room for, filled
-            # from one partition after another; a full one is left out of the next.
+            # One call takes what the ready partitions have room for, filled from
+            # one partition after another; a full one is left out of the next.
+            # Without partitions, getmany also runs the rebalance that gives us the
+            # first ones, and takes a turn's worth of theirs at once.
+            most = held.room(ready) if ready else c.batch_size
             fetched.update(
-                await self._kafka.getmany(
-                    *ready, timeout_ms=FETCH_WAIT_MS, max_records=held.room(ready)
-                )
+                await self._kafka.getmany(*ready, timeout_ms=FETCH_WAIT_MS, max_records=most)
             )
         except aiokafka.errors.OffsetOutOfRangeError as exc:
             await self._resolving(held.out_of_range(exc.args[0]))

@@ -230,8 +230,8 @@ class Partitions:
         return ready
 
     def room(self, ready: list[TopicPartition]) -> int:
-        """The records ``ready`` partitions take in all (at least one)."""
-        return max(1, sum(self.owned[tp].room for tp in ready))
+        """The records ``ready`` partitions take in all."""
+        return sum(self.owned[tp].room for tp in ready)
 
     def has_room(self, tp: TopicPartition) -> None:
         """A lane took ``tp``'s queue down to half its room: fetch for it again."""

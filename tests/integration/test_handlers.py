@@ -317,7 +317,10 @@ async def test_one_hung_partition_does_not_hold_up_the_others(
             await release.wait()  # partition 0's handler hangs
         await support.record_effect(msg, tx)
 
-    consumer = support.consumer(handler, topic, bootstrap_servers, pool, handler_timeout=120)
+    # A per-message handler has one lane unless asked: three, one per partition.
+    consumer = support.consumer(
+        handler, topic, bootstrap_servers, pool, handler_timeout=120, concurrency=3
+    )
 
     async def offsets() -> dict[int, int]:
         rows = await pool.fetch(
