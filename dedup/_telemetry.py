@@ -267,6 +267,16 @@ def transition(name: str, attributes: Mapping[str, Any] | None = None) -> None:
         fault("event", f"span event dedup.{name} not recorded: {exc!r}", exc)
 
 
+def tracing() -> bool:
+    """True once the application installed a tracer provider (the SDK's, say).
+
+    Until then every span is a no-op, and dedup builds none: on a turn of one
+    message, a span's attributes cost more than the rest of dedup's work.
+    """
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 @contextlib.contextmanager
 def consumer_span(
     name: str, attributes: Mapping[str, Any], links: Sequence[trace.Link] = ()
@@ -285,6 +295,9 @@ def internal_span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Sp
 
 @contextlib.contextmanager
 def _current(span: trace.Span) -> Iterator[trace.Span]:
+    if span is trace.INVALID_SPAN:
+        yield span  # no span to make current (tracing is off, or the SDK failed)
+        return
     with _ending(span):
         token = context.attach(trace.set_span_in_context(span))
         try:
@@ -326,6 +339,9 @@ def start(
     attributes: Mapping[str, Any],
     links: Sequence[trace.Link] = (),
 ) -> trace.Span:
+    """A span (not made current); :data:`trace.INVALID_SPAN` while tracing is off."""
+    if not tracing():
+        return trace.INVALID_SPAN
     try:
         if semconv.DUPLICATED:
             attributes = semconv.with_old_names(attributes)
