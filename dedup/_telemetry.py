@@ -1,7 +1,8 @@
 """OpenTelemetry for dedup: one tracer, one meter, and the span events of transitions.
 
 dedup depends on ``opentelemetry-api`` only.  Until an application installs
-the SDK, every call here is a no-op proxy; with the SDK, spans and metrics go
+a tracer provider (the SDK's), dedup builds no span (:func:`tracing`) and its
+metrics go to the API's no-op proxies; with the SDK, spans and metrics go
 wherever the application's providers send them.
 
 Spans follow the OpenTelemetry semantic conventions (:data:`semconv.SCHEMA_URL`): a
