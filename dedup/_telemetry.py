@@ -268,14 +268,22 @@ def transition(name: str, attributes: Mapping[str, Any] | None = None) -> None:
         fault("event", f"span event dedup.{name} not recorded: {exc!r}", exc)
 
 
+_traced = False
+
+
 def tracing() -> bool:
     """True once the application installed a tracer provider (the SDK's, say).
 
     Until then every span is a no-op, and dedup builds none: on a turn of one
-    message, a span's attributes cost more than the rest of dedup's work.
+    message, a span's attributes cost more than the rest of dedup's work.  A
+    process's provider is set once (OpenTelemetry ignores a second one), so
+    once True this stays True without asking again.
     """
-    provider = trace.get_tracer_provider()
-    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    global _traced
+    if not _traced:
+        provider = trace.get_tracer_provider()
+        _traced = not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    return _traced
 
 
 @contextlib.contextmanager
