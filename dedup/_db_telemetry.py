@@ -7,9 +7,8 @@ The handler's own statements are the application's to trace.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
-from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from opentelemetry import trace
@@ -42,41 +41,67 @@ class Call(NamedTuple):
     schema: str | None
 
 
-@contextlib.contextmanager
-def db_call(conn: Any, statement: Statement) -> Iterator[None]:
+class db_call:  # lower case: it replaced a function of that name, and reads as one
     """A CLIENT span and a ``db.client.operation.duration`` point around one statement.
 
     Not made current: the transitions recorded meanwhile stay on the span the
-    caller is in, where a reader of the trace looks for them.
+    caller is in, where a reader of the trace looks for them.  The span only
+    while tracing is on (:func:`dedup._telemetry.tracing`); the metric point
+    always, its attributes built once per server and statement.
     """
-    server = _server(conn, statement.schema)
+
+    __slots__ = ("_attributes", "_point", "_span", "_started")
+
+    def __init__(self, conn: Any, statement: Statement) -> None:
+        self._attributes, self._point = _attributes(
+            _server(conn), statement.schema, statement.operation, statement.summary
+        )
+        self._span: trace.Span | None = None
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        if telemetry.tracing():
+            self._span = telemetry.start(
+                self._attributes["db.query.summary"], trace.SpanKind.CLIENT, self._attributes
+            )
+        self._started = time.perf_counter()
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        took = time.perf_counter() - self._started
+        point = self._point
+        span = self._span
+        if exc is not None:
+            point = {**point, "error.type": semconv.error_type(exc)}
+            if span is not None:
+                telemetry.record_error(span, exc)
+                sqlstate = getattr(exc, "sqlstate", None)
+                if isinstance(sqlstate, str):
+                    telemetry.set_attribute(span, "db.response.status_code", sqlstate)
+        if span is not None:
+            telemetry.end(span)
+        telemetry.record(telemetry.db_duration, took, point)
+
+
+Server = tuple["str | None", "str | None", "int | None"]
+"""Where a connection is: its database, host and port."""
+
+
+@functools.lru_cache(maxsize=256)
+def _attributes(
+    server: Server, schema: str | None, operation: str, summary: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A statement's span attributes and its metric point's (shared: never changed)."""
     attributes = {
-        **server,
-        "db.operation.name": statement.operation,
-        "db.query.summary": statement.summary,
+        **semconv.server_attributes(server[0], schema, server[1], server[2]),
+        "db.operation.name": operation,
+        "db.query.summary": summary,
     }
-    span = telemetry.start(statement.summary, trace.SpanKind.CLIENT, attributes)
-    started = time.perf_counter()
-    failed: str | None = None
-    try:
-        yield
-    except BaseException as exc:
-        failed = semconv.error_type(exc)
-        telemetry.record_error(span, exc)
-        sqlstate = getattr(exc, "sqlstate", None)
-        if isinstance(sqlstate, str):
-            telemetry.set_attribute(span, "db.response.status_code", sqlstate)
-        raise
-    finally:
-        telemetry.end(span)
-        point = {k: attributes[k] for k in semconv.DB_METRIC_ATTRIBUTES if k in attributes}
-        if failed is not None:
-            point["error.type"] = failed
-        telemetry.record(telemetry.db_duration, time.perf_counter() - started, point)
+    point = {k: attributes[k] for k in semconv.DB_METRIC_ATTRIBUTES if k in attributes}
+    return attributes, point
 
 
-def _server(conn: Any, schema: str | None) -> Mapping[str, Any]:
-    """The ``db.*`` and ``server.*`` attributes of ``conn`` (a connection, a proxy or a pool).
+def _server(conn: Any) -> Server:
+    """The database, host and port of ``conn`` (a connection, a proxy or a pool).
 
     asyncpg keeps where it connected on the connection (``_addr``, ``_params``)
     and on a pool (``_working_addr``, ``_working_params``); reading them costs
@@ -87,8 +112,8 @@ def _server(conn: Any, schema: str | None) -> Mapping[str, Any]:
         params = getattr(conn, "_params", None) or getattr(conn, "_working_params", None)
         database = getattr(params, "database", None)
         if isinstance(addr, tuple) and len(addr) >= 2:
-            return semconv.server_attributes(database, schema, str(addr[0]), int(addr[1]))
-        return semconv.server_attributes(database, schema, str(addr) if addr else None, None)
+            return database, str(addr[0]), int(addr[1])
+        return database, str(addr) if addr else None, None
     except Exception as exc:
         telemetry.fault("span", f"database address not read: {exc!r}", exc)
-        return semconv.server_attributes(None, schema, None, None)
+        return None, None, None

@@ -17,6 +17,7 @@ commit the claim without the write it guards.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import types
@@ -175,15 +176,26 @@ def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
 
 def check_statement(sql: str) -> None:
     """Raise HandlerError if any statement of ``sql`` would end the transaction."""
+    word = _ending_word(sql)
+    if word is not None:
+        raise errors.HandlerError(
+            f"the handler ran {word}: dedup owns the batch's transaction (the idempotency "
+            "keys are claimed in it) and commits it after the handler returns; use a "
+            "savepoint (async with tx.conn.transaction()) to undo part of your work"
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _ending_word(sql: str) -> str | None:
+    """The first word of ``sql`` that ends the transaction (``COMMIT``...), or None.
+
+    Kept per text: a handler sends the same few statements again and again.
+    """
     for start in _statement_starts(sql):
         found = _ENDS_TRANSACTION.match(sql, _skip_space_and_comments(sql, start))
         if found:
-            word = " ".join(found.group(1).upper().split())
-            raise errors.HandlerError(
-                f"the handler ran {word}: dedup owns the batch's transaction (the idempotency "
-                "keys are claimed in it) and commits it after the handler returns; use a "
-                "savepoint (async with tx.conn.transaction()) to undo part of your work"
-            )
+            return " ".join(found.group(1).upper().split())
+    return None
 
 
 def check_open(conn: asyncpg.Connection) -> None:

@@ -116,7 +116,10 @@ class Partition:
     def feed(self, records: list[Any]) -> None:
         """Queue fetched records and wake the lane."""
         floor = self.expected if self.expected is not None else -1
-        self.records.extend(r for r in records if r.offset >= floor)
+        if records and records[0].offset >= floor:
+            self.records.extend(records)  # in offset order: all past the floor
+        else:
+            self.records.extend(r for r in records if r.offset >= floor)
         if self.began is None and self.records:
             self.began = self.records[0].offset
         telemetry.consumed.add(len(records), self._consumed)
@@ -342,11 +345,14 @@ class Lane:
         floor = p.expected if p.expected is not None else -1
         msgs: list[message_.Message] = []
         dead: list[results.DeadLetter] = []
+        # Once per record: the names looked up once.
+        strategy, on_missing_key = self._s.key, self._s.on_missing_key
+        from_record, take_key = message_.Message.from_record, store.take_key
         for record in records:
             if record.offset < floor:
                 continue
-            msg = message_.Message.from_record(record)
-            letter = store.take_key(self._s.key, self._s.on_missing_key, msg)
+            msg = from_record(record)
+            letter = take_key(strategy, on_missing_key, msg)
             if letter is None:
                 msgs.append(msg)
             else:

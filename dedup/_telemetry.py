@@ -1,7 +1,8 @@
 """OpenTelemetry for dedup: one tracer, one meter, and the span events of transitions.
 
 dedup depends on ``opentelemetry-api`` only.  Until an application installs
-the SDK, every call here is a no-op proxy; with the SDK, spans and metrics go
+a tracer provider (the SDK's), dedup builds no span (:func:`tracing`) and its
+metrics go to the API's no-op proxies; with the SDK, spans and metrics go
 wherever the application's providers send them.
 
 Spans follow the OpenTelemetry semantic conventions (:data:`semconv.SCHEMA_URL`): a
@@ -267,6 +268,24 @@ def transition(name: str, attributes: Mapping[str, Any] | None = None) -> None:
         fault("event", f"span event dedup.{name} not recorded: {exc!r}", exc)
 
 
+_traced = False
+
+
+def tracing() -> bool:
+    """True once the application installed a tracer provider (the SDK's, say).
+
+    Until then every span is a no-op, and dedup builds none: on a turn of one
+    message, a span's attributes cost more than the rest of dedup's work.  A
+    process's provider is set once (OpenTelemetry ignores a second one), so
+    once True this stays True without asking again.
+    """
+    global _traced
+    if not _traced:
+        provider = trace.get_tracer_provider()
+        _traced = not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    return _traced
+
+
 @contextlib.contextmanager
 def consumer_span(
     name: str, attributes: Mapping[str, Any], links: Sequence[trace.Link] = ()
@@ -285,6 +304,9 @@ def internal_span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Sp
 
 @contextlib.contextmanager
 def _current(span: trace.Span) -> Iterator[trace.Span]:
+    if span is trace.INVALID_SPAN:
+        yield span  # no span to make current (tracing is off, or the SDK failed)
+        return
     with _ending(span):
         token = context.attach(trace.set_span_in_context(span))
         try:
@@ -326,6 +348,9 @@ def start(
     attributes: Mapping[str, Any],
     links: Sequence[trace.Link] = (),
 ) -> trace.Span:
+    """A span (not made current); :data:`trace.INVALID_SPAN` while tracing is off."""
+    if not tracing():
+        return trace.INVALID_SPAN
     try:
         if semconv.DUPLICATED:
             attributes = semconv.with_old_names(attributes)

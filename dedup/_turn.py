@@ -26,6 +26,8 @@ sit around the COMMIT, once per partition.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, MutableMapping, Sequence
@@ -76,28 +78,36 @@ async def run(
     stats: MutableMapping[str, int],
 ) -> list[results.BatchResult]:
     """Apply ``parts`` in one transaction on ``conn``; what each part did once committed."""
-    attributes = _process_attributes(s, parts)
-    links, dropped = telemetry.producer_links(m.raw_headers for p in parts for m in p.msgs)
-    if dropped:
-        attributes["dedup.links.dropped"] = dropped
-    measured = [
-        {**messaging(s, p.topic, p.partition), "messaging.operation.name": "process"} for p in parts
-    ]
+    measured = [_process_point(s.group_id, p.topic, p.partition) for p in parts]
     started = time.perf_counter()
     try:
-        with telemetry.consumer_span(f"process {parts[0].topic}", attributes, links):
+        with _process_span(s, parts):
             found = await _transaction(conn, s, parts)
     except BaseException as exc:
-        for m in measured:
-            m["error.type"] = semconv.error_type(exc)
+        failed = semconv.error_type(exc)
+        measured = [{**m, "error.type": failed} for m in measured]
         raise
     finally:
+        took = time.perf_counter() - started
         for m in measured:
-            telemetry.record(telemetry.process_duration, time.perf_counter() - started, m)
+            telemetry.record(telemetry.process_duration, took, m)
     elapsed = time.perf_counter() - started
     for part, result in zip(parts, found, strict=True):
         _count(stats, s, part, result, elapsed)
     return found
+
+
+def _process_span(
+    s: Settings, parts: Sequence[store.Part]
+) -> contextlib.AbstractContextManager[object]:
+    """The turn's CONSUMER span, made current; nothing built while tracing is off."""
+    if not telemetry.tracing():
+        return contextlib.nullcontext()
+    attributes = _process_attributes(s, parts)
+    links, dropped = telemetry.producer_links(m.raw_headers for p in parts for m in p.msgs)
+    if dropped:
+        attributes["dedup.links.dropped"] = dropped
+    return telemetry.consumer_span(f"process {parts[0].topic}", attributes, links)
 
 
 async def _transaction(
@@ -307,12 +317,22 @@ def _session_cut(s: Settings) -> errors.HandlerError:
 
 def messaging(s: Settings, topic: str, partition: int) -> dict[str, Any]:
     """The messaging attributes every span and metric of a partition's batch carries."""
+    return _messaging(s.group_id, topic, partition)
+
+
+def _messaging(group_id: str, topic: str, partition: int) -> dict[str, Any]:
     return {
         "messaging.system": "kafka",
-        "messaging.consumer.group.name": s.group_id,
+        "messaging.consumer.group.name": group_id,
         "messaging.destination.name": topic,
         "messaging.destination.partition.id": str(partition),
     }
+
+
+@functools.lru_cache(maxsize=4096)
+def _process_point(group_id: str, topic: str, partition: int) -> dict[str, Any]:
+    """A partition's ``messaging.process.duration`` attributes (shared: never changed)."""
+    return {**_messaging(group_id, topic, partition), "messaging.operation.name": "process"}
 
 
 def _process_attributes(s: Settings, parts: Sequence[store.Part]) -> dict[str, Any]:
@@ -389,10 +409,15 @@ def _count(
 
 
 def counted(s: Settings, topic: str) -> dict[str, Any]:
-    """The attributes of dedup's counters for one topic of a consumer."""
+    """The attributes of dedup's counters for one topic of a consumer (shared: never changed)."""
+    return _counted(s.group_id, topic, s.namespace)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counted(group_id: str, topic: str, namespace: str) -> dict[str, Any]:
     return {
         "messaging.system": "kafka",
-        "messaging.consumer.group.name": s.group_id,
+        "messaging.consumer.group.name": group_id,
         "messaging.destination.name": topic,
-        "dedup.namespace": s.namespace,
+        "dedup.namespace": namespace,
     }
