@@ -28,17 +28,22 @@ A batch handler sees a turn's messages at once and can order its writes (one
 ``tx.lock``); its lanes ran at 0.94-1.01 x the hand-written loops where one lane
 ran at 0.77 x."""
 DEFAULT_PER_MESSAGE_CONCURRENCY = 1
-"""Lanes of a consumer with a per-message handler: one.
+"""Lanes of a consumer with a per-message handler and ``batch_size`` above 1: one.
 
 Called message by message in offset order, such a handler can't take its
 locks in one sorted order, so two lanes whose turns update the same rows
 deadlock, turn after turn: the README's handler on 100 accounts ran at
-0.09 x one lane with four (docs/performance.md)."""
+0.09 x one lane with four (docs/performance.md).  At ``batch_size=1`` a
+transaction holds one message, whose locks are taken in the order the
+handler's code takes them, as in any one-transaction-per-message loop: such a
+consumer gets :data:`DEFAULT_CONCURRENCY` lanes."""
 
 
-def default_concurrency(batch_handler: bool) -> int:
+def default_concurrency(batch_handler: bool, batch_size: int) -> int:
     """The lanes a consumer runs when ``concurrency`` is not given."""
-    return DEFAULT_CONCURRENCY if batch_handler else DEFAULT_PER_MESSAGE_CONCURRENCY
+    if batch_handler or batch_size == 1:
+        return DEFAULT_CONCURRENCY
+    return DEFAULT_PER_MESSAGE_CONCURRENCY
 
 
 DEFAULT_HANDLER_TIMEOUT = 30.0

@@ -165,7 +165,9 @@ class IdempotentConsumer:
             schema=schema,
             pool_options=db.check_pool_options(pool_options, pool=pool),
             concurrency=(
-                config.default_concurrency(batch_handler) if concurrency is None else concurrency
+                config.default_concurrency(batch_handler, batch_size)
+                if concurrency is None
+                else concurrency
             ),
             namespace=namespace or group_id,
             key=key,

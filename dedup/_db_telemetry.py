@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from typing import Any, NamedTuple, Protocol
 
+import asyncpg
+import asyncpg.pool
 from opentelemetry import trace
 
 from dedup import _semconv as semconv
@@ -50,17 +53,20 @@ class db_call:  # lower case: it replaced a function of that name, and reads as 
     always, its attributes built once per server and statement.
     """
 
-    __slots__ = ("_attributes", "_point", "_span", "_started")
+    __slots__ = ("_attributes", "_point", "_span", "_started", "_traced")
 
-    def __init__(self, conn: Any, statement: Statement) -> None:
+    def __init__(self, conn: Any, statement: Statement, traced: bool | None = None) -> None:
+        """``traced``: whether tracing is on, when the caller already asked
+        (:func:`dedup._telemetry.tracing`; None: ask)."""
         self._attributes, self._point = _attributes(
             _server(conn), statement.schema, statement.operation, statement.summary
         )
         self._span: trace.Span | None = None
         self._started = 0.0
+        self._traced = traced
 
     def __enter__(self) -> None:
-        if telemetry.tracing():
+        if self._traced if self._traced is not None else telemetry.tracing():
             self._span = telemetry.start(
                 self._attributes["db.query.summary"], trace.SpanKind.CLIENT, self._attributes
             )
@@ -100,13 +106,29 @@ def _attributes(
     return attributes, point
 
 
+_servers: weakref.WeakKeyDictionary[asyncpg.Connection, Server] = weakref.WeakKeyDictionary()
+"""Where each connection is, read once: a connection never moves."""
+
+
 def _server(conn: Any) -> Server:
     """The database, host and port of ``conn`` (a connection, a proxy or a pool).
 
     asyncpg keeps where it connected on the connection (``_addr``, ``_params``)
     and on a pool (``_working_addr``, ``_working_params``); reading them costs
-    no round trip.
+    no round trip.  A connection's answer is kept (a pool's may change).
     """
+    raw = (
+        getattr(conn, "_con", None) if isinstance(conn, asyncpg.pool.PoolConnectionProxy) else conn
+    )
+    if not isinstance(raw, asyncpg.Connection):
+        return _read_server(conn)
+    found = _servers.get(raw)
+    if found is None:
+        found = _servers[raw] = _read_server(raw)
+    return found
+
+
+def _read_server(conn: Any) -> Server:
     try:
         addr = getattr(conn, "_addr", None) or getattr(conn, "_working_addr", None)
         params = getattr(conn, "_params", None) or getattr(conn, "_working_params", None)

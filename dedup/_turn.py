@@ -79,10 +79,11 @@ async def run(
 ) -> list[results.BatchResult]:
     """Apply ``parts`` in one transaction on ``conn``; what each part did once committed."""
     measured = [_process_point(s.group_id, p.topic, p.partition) for p in parts]
+    traced = telemetry.tracing()  # asked once a turn: it costs more than a statement's span
     started = time.perf_counter()
     try:
-        with _process_span(s, parts):
-            found = await _transaction(conn, s, parts)
+        with _process_span(s, parts, traced):
+            found = await _transaction(conn, s, parts, traced)
     except BaseException as exc:
         failed = semconv.error_type(exc)
         measured = [{**m, "error.type": failed} for m in measured]
@@ -98,10 +99,10 @@ async def run(
 
 
 def _process_span(
-    s: Settings, parts: Sequence[store.Part]
+    s: Settings, parts: Sequence[store.Part], traced: bool
 ) -> contextlib.AbstractContextManager[object]:
     """The turn's CONSUMER span, made current; nothing built while tracing is off."""
-    if not telemetry.tracing():
+    if not traced:
         return contextlib.nullcontext()
     attributes = _process_attributes(s, parts)
     links, dropped = telemetry.producer_links(m.raw_headers for p in parts for m in p.msgs)
@@ -111,25 +112,22 @@ def _process_span(
 
 
 async def _transaction(
-    conn: asyncpg.Connection, s: Settings, parts: Sequence[store.Part]
+    conn: asyncpg.Connection, s: Settings, parts: Sequence[store.Part], traced: bool
 ) -> list[results.BatchResult]:
     schema = s.store.schema
-    attributes: dict[str, Any] = {"dedup.namespace": s.namespace}
-    if len(parts) == 1:
-        attributes["dedup.token"] = parts[0].fence.token
     queries = db.queries()
-    with telemetry.internal_span("dedup transaction", attributes):
+    with _transaction_span(s, parts, traced):
         await faults.point(faults.Point.BEFORE_BEGIN, conn=conn, parts=parts)
-        with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema)):
+        with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema), traced):
             await conn.execute(queries.begin.sql)
         began = time.monotonic()
         try:
             found = await _fence_and_claim(conn, s, parts)
             await _handle(conn, s, parts, found)
-            with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema)):
+            with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema), traced):
                 await _commit(conn, parts)
         except BaseException as exc:
-            await _roll_back(conn, schema)
+            await _roll_back(conn, schema, traced)
             if not isinstance(exc, Exception):
                 raise
             # The server ended a session kept idle past its limit: whatever the
@@ -154,7 +152,19 @@ async def _transaction(
     return found
 
 
-async def _roll_back(conn: asyncpg.Connection, schema: str) -> None:
+def _transaction_span(
+    s: Settings, parts: Sequence[store.Part], traced: bool
+) -> contextlib.AbstractContextManager[object]:
+    """The INTERNAL span the handler runs in; nothing built while tracing is off."""
+    if not traced:
+        return contextlib.nullcontext()
+    attributes: dict[str, Any] = {"dedup.namespace": s.namespace}
+    if len(parts) == 1:
+        attributes["dedup.token"] = parts[0].fence.token
+    return telemetry.internal_span("dedup transaction", attributes)
+
+
+async def _roll_back(conn: asyncpg.Connection, schema: str, traced: bool) -> None:
     """Roll back and reset the session, in one round trip.
 
     Nothing to do once the transaction has ended: a COMMIT that failed (a
@@ -168,7 +178,7 @@ async def _roll_back(conn: asyncpg.Connection, schema: str) -> None:
     if _closed(conn) or not conn.is_in_transaction():
         return
     try:
-        with db_telemetry.db_call(conn, db_telemetry.Call("ROLLBACK", "ROLLBACK", schema)):
+        with db_telemetry.db_call(conn, db_telemetry.Call("ROLLBACK", "ROLLBACK", schema), traced):
             await conn.execute(db.queries().rollback_and_reset.sql)
     except Exception as exc:
         if not db.is_broken(conn, exc):
