@@ -6,7 +6,7 @@ suppressed) and any dead letter.  ``events`` tells the story of a key, a lease
 or partition (resource), or a task, from the append-only ``events`` table.
 
 Everything here is a plain SELECT, so it runs under the schema's read-only
-audit role (dedup/sql/migrations/0004_schema_roles.sql).  The output format is documented in
+audit role (sql/migrations/0004_schema_roles.sql).  The output format is documented in
 docs/reference/cli.md; the field names are a contract.
 """
 

@@ -164,7 +164,7 @@ def check_pool_options(options: Mapping[str, Any] | None, *, pool: Any) -> dict[
 
 @functools.cache
 def queries() -> sql.Queries:
-    """The queries that name no schema (``dedup/sql/queries/connections.sql``), built once."""
+    """The queries that name no schema (``sql/queries/connections.sql``), built once."""
     return sql.Queries()
 
 

@@ -1,9 +1,12 @@
 """Every SQL statement of dedup, and the one way the library runs them.
 
-The statements live in files, never in Python::
+The statements live in files, never in Python, at the top of the repository::
 
-    dedup/sql/migrations/NNNN_name.sql   numbered migrations (``dedup migrate``)
-    dedup/sql/queries/AREA.sql           named queries, one file per area
+    sql/migrations/NNNN_name.sql   numbered migrations (``dedup migrate``)
+    sql/queries/AREA.sql           named queries, one file per area
+
+The wheel carries them as ``dedup/sql/...``; a checkout (an editable install)
+reads them where they are (:func:`_statements`).
 
 A named query starts with a ``-- name: NAME`` line; comment lines after it say
 what it does.  Its parameters are named (``:group_id``), bound by keyword where
@@ -39,10 +42,21 @@ _QUERY_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _PARAMETER = re.compile(
     r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|::|(?<![:\w]):([a-z_][a-z0-9_]*)"
 )
-_SQL = importlib.resources.files("dedup") / "sql"
 _COMMENT = re.compile(r"--[^\n]*")
 _OPERATION = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|MERGE|LOCK|CREATE)\b")
 _TABLE = re.compile(r"\{schema\}\.(\w+)")
+
+
+def _statements() -> Path:
+    """The folder of the statements: ``dedup/sql`` in an installed wheel, else the
+    checkout's ``sql/`` beside the package."""
+    packaged = importlib.resources.files("dedup") / "sql"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "sql"
+
+
+_SQL = _statements()
 
 
 def plain_identifier(name: object) -> bool:
@@ -161,7 +175,7 @@ class Query:
 
 @functools.cache
 def _texts() -> dict[str, str]:
-    """Every named query of ``dedup/sql/queries/*.sql``, by name (names are unique)."""
+    """Every named query of ``sql/queries/*.sql``, by name (names are unique)."""
     found: dict[str, str] = {}
     for file in sorted((_SQL / "queries").iterdir(), key=lambda f: f.name):
         if not file.name.endswith(".sql"):
@@ -169,7 +183,7 @@ def _texts() -> dict[str, str]:
         parts = _QUERY_NAME.split(file.read_text(encoding="utf-8"))
         for name, body in zip(parts[1::2], parts[2::2], strict=True):
             if name in found:
-                raise RuntimeError(f"query {name} is named twice under dedup/sql/queries")
+                raise RuntimeError(f"query {name} is named twice under sql/queries")
             found[name] = body.strip()
     return found
 
@@ -186,7 +200,7 @@ def _rendered(schema: str) -> dict[str, Query]:
 
 
 class Queries:
-    """The named queries of ``dedup/sql/queries``, rendered for one schema."""
+    """The named queries of ``sql/queries``, rendered for one schema."""
 
     def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
         self.schema = schema
@@ -196,7 +210,7 @@ class Queries:
         try:
             return self._queries[name]
         except KeyError:
-            raise AttributeError(f"no query named {name!r} under dedup/sql/queries") from None
+            raise AttributeError(f"no query named {name!r} under sql/queries") from None
 
 
 def identifier(name: str, what: str) -> str:

@@ -28,7 +28,7 @@ async def test_the_query_example_is_shipped_and_runs_as_written(pool: Any) -> No
     blocks = docs_support.snippets(PAGE)
     assert [lang for lang, _ in blocks] == ["text", "sql", "python"]
     (_, query), (_, call) = blocks[1], blocks[2]
-    shipped = (ROOT / "dedup" / "sql" / "queries" / "consumer.sql").read_text(encoding="utf-8")
+    shipped = (ROOT / "sql" / "queries" / "consumer.sql").read_text(encoding="utf-8")
     assert query.strip() in shipped
 
     async def run_the_call(conn: Any) -> Any:

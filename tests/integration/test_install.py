@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import tomllib
 import uuid
 import venv
@@ -26,10 +27,12 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
+import dedup
 from dedup_dev import database as dev_database
 from tests import helpers
-from tests.conftest import ROOT, Services
+from tests.conftest import ROOT, NewDatabase, Services
 from tests.support import docs as docs_support
+from tests.support.catalog import catalog
 
 INSTALL_PAGE = ROOT / "docs" / "install.md"
 QUICKSTART_BLOCKS = docs_support.snippets(ROOT / "docs" / "quickstart.md")
@@ -170,7 +173,11 @@ def test_library_wheel_holds_the_typed_dedup_package_only(wheels: Wheels) -> Non
     dist_info = f"dedup_kafka-{VERSION}.dist-info/"
     assert {n.split("/")[0] + "/" for n in names} == {"dedup/", dist_info}
     assert "dedup/py.typed" in names
-    assert "dedup/sql/migrations/0001_core.sql" in names
+    statements = ROOT / "sql"
+    shipped = {f"dedup/sql/{f.relative_to(statements)}" for f in statements.rglob("*.sql")}
+    assert {n for n in names if n.startswith("dedup/sql/")} == shipped, "sql/, as dedup/sql"
+    assert "dedup/sql/migrations/0001_core.sql" in shipped
+    assert "dedup/sql/queries/consumer.sql" in shipped
     assert f"{dist_info}licenses/LICENSE" in names
     with zipfile.ZipFile(wheels.library) as whl:
         entry_points = whl.read(f"{dist_info}entry_points.txt").decode()
@@ -179,6 +186,28 @@ def test_library_wheel_holds_the_typed_dedup_package_only(wheels: Wheels) -> Non
     assert "Name: dedup-kafka\n" in metadata
     assert "Classifier: Typing :: Typed" in metadata
     assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_sdist_holds_sql_at_its_root_and_builds_the_same_wheel(
+    wheels: Wheels, tmp_path: Path
+) -> None:
+    """pip builds the wheel from the sdist: the statements go with it, as sql/."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hatchling", "build", "-t", "sdist", "-d", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (sdist,) = tmp_path.glob(f"dedup_kafka-{VERSION}.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tops = {name.split("/")[1] for name in tar.getnames() if name.count("/") > 1}
+    assert tops == {"dedup", "sql"}, tops
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), str(sdist))
+    (rebuilt,) = (tmp_path / "w").glob(f"dedup_kafka-{VERSION}-*.whl")
+    assert sorted(_names(rebuilt)) == sorted(_names(wheels.library))
 
 
 def test_services_wheel_holds_the_consumers_package_and_the_reconcile_checks(
@@ -210,6 +239,18 @@ def test_installed_library_has_its_version_and_nothing_of_the_services(
     assert library_venv.run("dedup", "reconcile", "--list").stdout == ""
     no_services = library_venv.run("python", "-c", "import consumers", check=False)
     assert "No module named 'consumers'" in no_services.stderr
+
+
+async def test_migrate_from_the_wheel_makes_what_migrate_from_the_checkout_makes(
+    library_venv: Venv, new_database: NewDatabase
+) -> None:
+    """The installed wheel reads its statements from dedup/sql, the checkout from sql/."""
+    from_wheel, from_checkout = await new_database(), await new_database()
+    library_venv.run("dedup", "migrate", "--dsn", from_wheel)
+    await dedup.migrate(from_checkout)
+    made = await catalog(from_wheel, "dedup")
+    assert made["migrations"], "the wheel's migrations applied"
+    assert made == await catalog(from_checkout, "dedup")
 
 
 USER_CODE = """\

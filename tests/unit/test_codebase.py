@@ -46,7 +46,7 @@ def _sql_literals(path: Path) -> list[str]:
 
 
 def test_no_sql_text_in_the_librarys_python() -> None:
-    # Every statement lives under dedup/sql and runs through dedup/_sql.py.
+    # Every statement lives under sql/ and runs through dedup/_sql.py.
     found = [hit for path in sorted(LIBRARY.glob("*.py")) for hit in _sql_literals(path)]
     assert found == []
 
@@ -67,7 +67,7 @@ def test_queries_name_their_parameters() -> None:
     positional = re.compile(r"\$[0-9]")
     found = [
         f"{path.name}:{n}"
-        for path in sorted((LIBRARY / "sql" / "queries").glob("*.sql"))
+        for path in sorted((LIBRARY.parent / "sql" / "queries").glob("*.sql"))
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
         if positional.search(line.split("--")[0])
     ]

@@ -27,7 +27,7 @@ OFFSET_KEY = limits.MAX_TOPIC_BYTES + 2 + PARTITION_DIGITS + OFFSET_DIGITS
 """``topic:partition:offset``: the key under ``on_missing_key="offset"``."""
 LONGEST_STORED_KEY = max(keys.MAX_KEY_BYTES, OFFSET_KEY)
 
-# Every B-tree index of dedup/sql/migrations that holds a name or a key, with the
+# Every B-tree index of sql/migrations that holds a name or a key, with the
 # longest value each column can get.
 INDEXES = {
     "processed (namespace, idempotency_key)": [limits.MAX_NAME_BYTES, LONGEST_STORED_KEY],
