@@ -79,7 +79,7 @@ class Config:
     """The Kafka consumer group; also the namespace unless one is given."""
     bootstrap_servers: str | Sequence[str]
     kafka_options: Mapping[str, Any] = dataclasses.field(repr=False)
-    """aiokafka's consumer options, as checked by :func:`kafka_options` (not in the repr:
+    """aiokafka's consumer options, as checked by :func:`consumer_options` (not in the repr:
     it may hold a password)."""
     # Postgres
     schema: str
@@ -130,7 +130,7 @@ class Config:
         )
 
 
-def kafka_options(options: Mapping[str, Any]) -> dict[str, Any]:
+def consumer_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options for aiokafka's consumer: known to aiokafka, no auto-commit, read_committed,
     from the log start."""
     unknown = sorted(set(options) - _AIOKAFKA_OPTIONS)

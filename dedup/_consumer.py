@@ -161,7 +161,7 @@ class IdempotentConsumer:
             group_id=group_id,
             bootstrap_servers=bootstrap_servers,
             # The holder names this process in Kafka's group tools too.
-            kafka_options=config.kafka_options({"client_id": holder, **options}),
+            kafka_options=config.consumer_options({"client_id": holder, **options}),
             schema=schema,
             pool_options=db.check_pool_options(pool_options, pool=pool),
             concurrency=(

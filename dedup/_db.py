@@ -62,7 +62,7 @@ async def init_connection(conn: asyncpg.Connection) -> None:
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwargs: Any) -> Any:
     """Open an asyncpg pool for dedup's work, or raise an error that shows the DSN, redacted.
 
-    ``dsn`` is a URL or libpq keyword/value pairs (:mod:`dedup.conninfo`).  The
+    ``dsn`` is a URL or libpq keyword/value pairs (:mod:`dedup._conninfo`).  The
     only startup parameter dedup adds is ``application_name`` (which pgbouncer
     accepts); ``kwargs`` are asyncpg's (``statement_cache_size=0`` for
     pgbouncer in transaction mode; ``timeout``, the connect timeout in seconds,

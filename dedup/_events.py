@@ -2,7 +2,7 @@
 
 Each :class:`Event` is written in the caller's transaction (it commits or rolls
 back with the change it describes) and mirrored as a span event on the current
-span (see :mod:`dedup.telemetry`).
+span (see :mod:`dedup._telemetry`).
 """
 
 from __future__ import annotations
