@@ -1,9 +1,10 @@
 """Docstrings and docs name modules and files that exist.
 
 Three kinds of reference are read in the Python of the library, the services,
-dedup_dev and bench, and in every page under docs/ (and the README): a repository path (``dedup/_sql.py``,
-``../sql/queries/consumer.sql``), a private module (``dedup._lanes``), and a Sphinx
-role (``:mod:`dedup._turn```, ``:func:`dedup.keys.json_field```), which must import.
+dedup_dev and bench, and in every page under docs/ (and the README): a
+repository path (``dedup/_sql.py``, ``../sql/queries/consumer.sql``), a private
+module (``dedup._lanes``), and a Sphinx role (``:mod:`dedup._turn```,
+``:func:`dedup.keys.json_field```), which must import.
 """
 
 from __future__ import annotations
