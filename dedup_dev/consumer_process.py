@@ -1,6 +1,6 @@
 """A consumer in its own OS process, for tests that kill, pause or crowd it.
 
-    python -m tests.support.consumer_process --dsn DSN --bootstrap-servers HOST:PORT \
+    python -m dedup_dev.consumer_process --dsn DSN --bootstrap-servers HOST:PORT \
         --topic T --group G [--batch-size N] [--hold SECONDS] [--idle-timeout-ms MS] \
         [--exit-on KEY [--exit-how system-exit|keyboard-interrupt|kill]]
 

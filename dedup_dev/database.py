@@ -7,11 +7,17 @@ into the statements as they are.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 
 from dedup import _conninfo as conninfo
 from dedup_dev import services
+
+NewDatabase = Callable[[], Awaitable[str]]
+"""The ``new_database`` fixture: ``await new_database()`` -> the DSN of a new, empty database."""
+LoginAs = Callable[..., Awaitable[str]]
+"""The ``login_as`` fixture: ``await login_as(group)`` -> a DSN for a new LOGIN role in it."""
 
 
 def unique_name(prefix: str) -> str:

@@ -1,6 +1,6 @@
 """A FastStream app in its own OS process, one member of a group, for tests that kill it.
 
-    python -m tests.support.faststream_member --dsn DSN --bootstrap-servers HOST:PORT \
+    python -m dedup_dev.faststream_member --dsn DSN --bootstrap-servers HOST:PORT \
         --topic T --group G [--max-records N]
 
 Its batch subscriber, exactly-once through ``dedup.FastStreamDedup``, writes the

@@ -1,4 +1,4 @@
-"""Small helpers shared by the integration and chaos tests."""
+"""What the integration and chaos tests share: waiting for a condition, producing records."""
 
 from __future__ import annotations
 

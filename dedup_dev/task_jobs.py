@@ -1,4 +1,4 @@
-"""Jobs for the task tests: in-process, or ``dedup task run tests.support.task_jobs:NAME``.
+"""Jobs for the task tests: in-process, or ``dedup task run dedup_dev.task_jobs:NAME``.
 
 Each job proves it ran by a row in ``job_runs`` (written in a fenced
 transaction), never by a log line.  Jobs in other processes are configured

@@ -1,6 +1,6 @@
 """A ``dedup`` CLI process for the task tests: optionally a wrong wall clock and a start barrier.
 
-    python -m tests.support.task_worker [--clock-offset S] [--ready F --go F] -- ARGS...
+    python -m dedup_dev.task_worker [--clock-offset S] [--ready F --go F] -- ARGS...
 
 runs ``dedup ARGS...`` (``dedup._cli.main``) and exits with its code.
 

@@ -25,7 +25,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import asyncpg
@@ -41,11 +41,9 @@ import dedup
 from dedup import _db as db
 from dedup_dev import database
 from dedup_dev import services as dedup_dev_services
+from dedup_dev.database import LoginAs, NewDatabase
 from dedup_dev.kafka import Topics
 from dedup_dev.services import HOW_TO_START, ROOT, Services, Unreachable, with_database, with_user
-
-__all__ = ["ROOT", "LoginAs", "NewDatabase", "Services", "Topics", "with_user"]
-"""What the tests import from here (the rest of dedup_dev they import from there)."""
 
 
 def _docker_answers() -> bool:
@@ -221,9 +219,6 @@ def bootstrap_servers(services: Services) -> str:
     return services.bootstrap_servers
 
 
-NewDatabase = Callable[[], Awaitable[str]]
-
-
 @pytest.fixture
 async def new_database(services: Services) -> AsyncIterator[NewDatabase]:
     """``await new_database()`` -> the DSN of a new, empty database, dropped after the test."""
@@ -236,9 +231,6 @@ async def new_database(services: Services) -> AsyncIterator[NewDatabase]:
     yield make
     if made:
         await database.drop(services.dsn, *made)
-
-
-LoginAs = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture

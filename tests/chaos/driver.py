@@ -60,8 +60,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
 from dedup import _db as db
+from dedup_dev import helpers
 from dedup_dev.children import Child
-from tests import helpers
 from tests.chaos import oracle, report, scenarios
 from tests.chaos.services import ChaosServices, ServicesError
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tests import helpers
+from dedup_dev import helpers
 from tests.chaos import driver, report, scenarios
 from tests.chaos.services import (
     DEFAULT_DIR,

@@ -46,9 +46,9 @@ from typing import Any
 
 import asyncpg
 
+from dedup_dev import helpers
 from dedup_dev.children import Child
 from dedup_dev.services import read_env
-from tests import helpers
 from tests.chaos import driver, oracle, scenarios
 from tests.chaos.services import STANDBY_PORT, ChaosServices, ServicesError, pg_bin, pid_alive
 

@@ -14,10 +14,10 @@ import asyncio
 
 import pytest
 
+from dedup_dev import docs as docs_support
+from dedup_dev.services import ROOT
 from tests.chaos import driver, pg_failover
 from tests.chaos.services import STANDBY_PORT
-from tests.conftest import ROOT
-from tests.support import docs as docs_support
 
 pytestmark = pytest.mark.chaos
 

@@ -17,12 +17,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 import dedup
+from dedup_dev import audit as audit_support
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import audit as audit_support
-from tests.support import task_jobs, task_worker
-from tests.support.audit import (
+from dedup_dev import helpers, task_jobs, task_worker
+from dedup_dev.audit import (
     UTC,
     add_dead_letter,
     add_event,
@@ -31,6 +29,7 @@ from tests.support.audit import (
     payload_hash,
     run_cli,
 )
+from dedup_dev.kafka import Topics
 
 # The documented field names (docs/reference/cli.md): a contract.
 PROCESSED_FIELDS = {
@@ -485,7 +484,7 @@ async def test_a_replayed_dead_letter_applies_once_however_often_it_is_replayed(
 async def test_a_task_taken_over_after_a_crash_shows_both_tokens(dsn: str, pool: Any) -> None:
     await pool.execute(task_jobs.JOB_RUNS)
     crashing = await task_worker.start(
-        "task", "run", "tests.support.task_jobs:hang", "--dsn", dsn,
+        "task", "run", "dedup_dev.task_jobs:hang", "--dsn", dsn,
         "--task", "month-end", "--key", "2026-11-30", "--ttl", "1", "--holder", "batch-a",
     )  # fmt: skip
 

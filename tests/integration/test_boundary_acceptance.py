@@ -23,9 +23,9 @@ from opentelemetry.trace import StatusCode
 import dedup
 from dedup import keys
 from dedup_dev import effects as support
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev.kafka import Topics
 from tests.integration.test_foreign_producers import (
     KEEP_CODEC,
     Record,

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 import dedup
-from tests.support import rows
+from dedup_dev import rows
 
 KEY = dedup.keys.json_field("id")
 

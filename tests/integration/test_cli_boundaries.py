@@ -21,7 +21,7 @@ import pytest
 
 import dedup
 from dedup import _db as db
-from tests.support.audit import add_dead_letter, add_event, add_key, json_out, run_cli
+from dedup_dev.audit import add_dead_letter, add_event, add_key, json_out, run_cli
 
 # Anything a terminal may act on: C0 (but the lines' own newlines), DEL and C1.
 RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")
@@ -97,12 +97,12 @@ STARTUP_MARGIN = 10.0
             "argument --limit: invalid value '0': expected an integer from 1 to 1000000",
         ),
         (
-            ["task", "run", "tests.support.task_jobs:record", "--task", "t", "--key", "k",
+            ["task", "run", "dedup_dev.task_jobs:record", "--task", "t", "--key", "k",
              "--ttl", "1e300"],
             "argument --ttl: invalid value '1e300': expected seconds from 1 to 604800",
         ),
         (
-            ["task", "run", "tests.support.task_jobs:record", "--task", "t", "--key", "k",
+            ["task", "run", "dedup_dev.task_jobs:record", "--task", "t", "--key", "k",
              "--max-attempts", "99999999999"],
             "argument --max-attempts: invalid value '99999999999': expected an integer from 1",
         ),
@@ -189,7 +189,7 @@ def silent_server() -> Iterator[str]:
         ["audit", "--since", "1h"],
         ["purge", "--older-than", "30d"],
         ["migrate"],
-        ["task", "run", "tests.support.task_jobs:record", "--task", "t", "--key", "k"],
+        ["task", "run", "dedup_dev.task_jobs:record", "--task", "t", "--key", "k"],
     ],
 )
 def test_a_database_that_never_answers_fails_within_the_connect_timeout_naming_it(

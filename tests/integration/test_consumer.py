@@ -15,9 +15,9 @@ import pytest
 
 import dedup
 from dedup_dev import effects as support
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev.kafka import Topics
 
 MODES = {
     "per_message_batch_1": {"handler": support.record_effect, "batch_size": 1},

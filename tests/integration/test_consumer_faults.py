@@ -1,7 +1,7 @@
 """The consumer under the faults of the failure model: kills, pauses, rebalances, lost connections.
 
 Consumers that get killed or paused run as real OS processes
-(:mod:`tests.support.consumer_process`); the group test runs three
+(:mod:`dedup_dev.consumer_process`); the group test runs three
 consumers in this process.  Each scenario runs with ``batch_size=1`` and with
 the default batch size.
 """
@@ -21,9 +21,9 @@ import dedup
 from dedup import _db as db
 from dedup import _faults as faults
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support.consumer_process import started
+from dedup_dev import helpers
+from dedup_dev.consumer_process import started
+from dedup_dev.kafka import Topics
 
 BATCH_SIZES = {"batch_size_1": 1, "batch_default": dedup._config.DEFAULT_BATCH_SIZE}
 

@@ -23,8 +23,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 import consumers.demo
-from tests import helpers
-from tests.conftest import ROOT, Services
+from dedup_dev import helpers
+from dedup_dev.services import ROOT, Services
 
 BIN_DIR = os.path.relpath(Path(sys.executable).parent, ROOT)
 """Where the demo's printed commands say the venv's programs are, from the repository root."""

@@ -7,8 +7,8 @@ import textwrap
 from typing import Any
 
 from dedup import _sql as sql
-from tests.conftest import ROOT
-from tests.support import docs as docs_support
+from dedup_dev import docs as docs_support
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "architecture.md"
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.support import docs as docs_support
+from dedup_dev import docs as docs_support
+from dedup_dev.services import ROOT
 
 CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 

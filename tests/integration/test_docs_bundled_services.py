@@ -21,10 +21,11 @@ from typing import Any
 
 import orjson
 
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
-from tests.support import service as service_support
+from dedup_dev import docs as docs_support
+from dedup_dev import helpers
+from dedup_dev import service_process as service_support
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "bundled-services.md"
 SERVICES = ("payments", "coupons", "notifications")

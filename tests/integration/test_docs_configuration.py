@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from consumers import payments
+from dedup_dev import docs as docs_support
 from dedup_dev import effects as consumer_support
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "reference" / "configuration.md"
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import orjson
 
-from dedup_dev import children
+from dedup_dev import children, helpers
+from dedup_dev import docs as docs_support
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "faststream.md"
 

@@ -13,8 +13,8 @@ import inspect
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.support import docs as docs_support
+from dedup_dev import docs as docs_support
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "concepts" / "guarantees.md"
 

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from tests.conftest import ROOT
-from tests.support import docs as docs_support
+from dedup_dev import docs as docs_support
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "reference" / "cli.md"
 

@@ -4,7 +4,7 @@ The page's story: the group ``billing`` consumed the topic ``orders``
 (partition 0: 12 orders a minute apart from 2026-11-30 10:00 UTC; partition 1:
 8 orders two minutes apart) and stopped; then 4 bad orders came to partition 1
 (from 10:30), which must never be applied.  Its console blocks run in page order
-(see tests/support/docs.py); a block right after the comment
+(see dedup_dev/docs.py); a block right after the comment
 ``<!-- the group billing is running -->`` runs while the group's consumer runs,
 which then must have taken its partitions back and caught up.
 
@@ -28,11 +28,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 import dedup
+from dedup_dev import docs as docs_support
 from dedup_dev import effects as support
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "reference" / "cli.md"
 RUNNING = "<!-- the group billing is running -->"

@@ -19,9 +19,10 @@ from typing import Any
 
 import orjson
 
-from tests import helpers
-from tests.conftest import ROOT, Services, Topics
-from tests.support import docs as docs_support
+from dedup_dev import docs as docs_support
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT, Services
 
 PAGE = ROOT / "docs" / "operations.md"
 DASHBOARD = "## Dashboard and metrics endpoint"

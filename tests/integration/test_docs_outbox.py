@@ -18,10 +18,10 @@ import orjson
 
 import dedup
 from consumers import notifications, outbox, receiver, service
-from tests import helpers
-from tests.conftest import ROOT
-from tests.support import docs as docs_support
-from tests.support import service as service_support
+from dedup_dev import docs as docs_support
+from dedup_dev import helpers
+from dedup_dev import service_process as service_support
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "outbox.md"
 

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.conftest import ROOT, Services
+from dedup_dev.services import ROOT, Services
 
 PAGE = ROOT / "docs" / "performance.md"
 SHRINK = ["--messages", "400", "--rounds", "1"]

@@ -15,9 +15,10 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 
 import dedup
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
+from dedup_dev import docs as docs_support
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "quickstart.md"
 

@@ -18,8 +18,8 @@ import orjson
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from tests import helpers
-from tests.conftest import ROOT
+from dedup_dev import helpers
+from dedup_dev.services import ROOT
 
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 

@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 
 import dedup
-from tests.conftest import ROOT
+from dedup_dev import docs as docs_support
+from dedup_dev import service_process as service_support
+from dedup_dev.services import ROOT
 from tests.integration.test_service_statements import DAY
-from tests.support import docs as docs_support
-from tests.support import service as service_support
 
 PAGE = ROOT / "docs" / "howto" / "reconcile.md"
 

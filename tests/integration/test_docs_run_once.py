@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import ROOT
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "run-once.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)

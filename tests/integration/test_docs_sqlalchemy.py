@@ -22,10 +22,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from dedup_dev import docs as docs_support
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "sqlalchemy.md"
 

@@ -1,6 +1,6 @@
 """A FastStream group, exactly-once through dedup.FastStreamDedup, survives a member's SIGKILL.
 
-Two members of one group (tests/support/faststream_member.py, batch
+Two members of one group (dedup_dev/faststream_member.py, batch
 subscribers) consume 3,000 keys sent one to three times each; one member is
 SIGKILLed mid-stream, FastStream's group hands its partitions to the other,
 which gets again every record the dead member had not committed to Kafka.
@@ -15,11 +15,9 @@ from typing import Any
 
 import orjson
 
-from dedup_dev import effects
+from dedup_dev import effects, faststream_member, helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import faststream_member
+from dedup_dev.kafka import Topics
 
 KEYS = 3_000
 

@@ -28,9 +28,9 @@ from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.middlewares import AckPolicy
 
 import dedup
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev.kafka import Topics
 
 IDS = [f"k-{i}" for i in range(8)]
 BAD = "k-3"

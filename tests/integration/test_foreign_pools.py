@@ -22,9 +22,8 @@ import dedup
 from dedup import _audit as audit
 from dedup import _db as db
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import rows
+from dedup_dev import helpers, rows
+from dedup_dev.kafka import Topics
 
 EFFECTS = "CREATE TABLE effects (key text NOT NULL, payload jsonb NOT NULL)"
 

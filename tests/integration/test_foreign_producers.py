@@ -18,11 +18,10 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 import dedup
+from dedup_dev import consumer_process as processes
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import consumer_process as processes
-from tests.support import kafka_tools
+from dedup_dev import helpers, kafka_tools
+from dedup_dev.kafka import Topics
 
 CODECS = ("gzip", "snappy", "lz4", "zstd")
 KEEP_CODEC = {"compression.type": "producer"}  # the broker keeps each batch as it came

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 import dedup
+from dedup_dev import consumer_process as processes
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
 from tests.integration.test_handlers import (
     claimed_without_effect,
     dead_letter_reasons,
@@ -23,7 +24,6 @@ from tests.integration.test_handlers import (
     run_until_settled,
     settled,
 )
-from tests.support import consumer_process as processes
 
 INSERT = (
     'INSERT INTO effects (key, payload, token, "partition", "offset") VALUES ($1, $2, $3, $4, $5)'

@@ -20,10 +20,10 @@ import pytest
 
 import dedup
 from dedup import _db as db
+from dedup_dev import consumer_process as processes
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import consumer_process as processes
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
 
 
 def item(i: int, **extra: Any) -> bytes:

@@ -29,10 +29,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 import dedup
 from dedup_dev import database as dev_database
-from tests import helpers
-from tests.conftest import ROOT, NewDatabase, Services
-from tests.support import docs as docs_support
-from tests.support.catalog import catalog
+from dedup_dev import docs as docs_support
+from dedup_dev import helpers
+from dedup_dev.catalog import catalog
+from dedup_dev.database import NewDatabase
+from dedup_dev.services import ROOT, Services
 
 INSTALL_PAGE = ROOT / "docs" / "install.md"
 QUICKSTART_BLOCKS = docs_support.snippets(ROOT / "docs" / "quickstart.md")

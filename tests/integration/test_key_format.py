@@ -22,9 +22,9 @@ import dedup
 from dedup import _cli as cli
 from dedup import keys
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support.audit import json_out, run_cli
+from dedup_dev import helpers
+from dedup_dev.audit import json_out, run_cli
+from dedup_dev.kafka import Topics
 
 LIMIT = 3 * 1024 * 1024
 """Topic and producer limit: a record with a 1 MiB key is past Kafka's default of ~1 MB."""

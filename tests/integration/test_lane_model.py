@@ -24,8 +24,9 @@ from aiokafka import AIOKafkaProducer
 
 import dedup
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import LoginAs, Topics
+from dedup_dev import helpers
+from dedup_dev.database import LoginAs
+from dedup_dev.kafka import Topics
 from tests.integration.test_handlers import dead_letter_reasons
 
 ROLE_LOCK_TIMEOUT = "1234ms"

@@ -11,8 +11,7 @@ import pytest
 
 import dedup
 from dedup import _leases as leases
-from tests import helpers
-from tests.support import task_jobs, task_worker
+from dedup_dev import helpers, task_jobs, task_worker
 
 SIX_HOURS = 6 * 3600.0
 
@@ -173,7 +172,7 @@ async def test_a_worker_whose_clock_is_hours_off_gets_the_same_lease(
     """Workers six hours fast and six hours slow hold and take over leases like any other.
 
     How the clock is shifted: each worker is a separate process
-    (``tests.support.task_worker --clock-offset``) that replaces
+    (``dedup_dev.task_worker --clock-offset``) that replaces
     ``time.time``/``time.time_ns``/``datetime.now`` before dedup, asyncpg and the
     job are imported; the job writes what its clock says, which proves the shift.
     Had dedup used the worker's clock, the fast holder's 2 s lease would last six
@@ -184,7 +183,7 @@ async def test_a_worker_whose_clock_is_hours_off_gets_the_same_lease(
     fast = await task_worker.start(
         "task",
         "run",
-        "tests.support.task_jobs:hang",
+        "dedup_dev.task_jobs:hang",
         *opts,
         "--holder",
         "fast",
@@ -212,7 +211,7 @@ async def test_a_worker_whose_clock_is_hours_off_gets_the_same_lease(
     assert abs(lease["now"] - lease["acquired_at"]) < dt.timedelta(seconds=10)
 
     # The slow worker finds the fast one's lease live (exit 4: skipped, running elsewhere).
-    slow = ["task", "run", "tests.support.task_jobs:record", *opts, "--holder", "slow"]
+    slow = ["task", "run", "dedup_dev.task_jobs:record", *opts, "--holder", "slow"]
     code, out, err = await (await task_worker.start(*slow, clock_offset=-SIX_HOURS)).finish()
     assert code == 4, out + err
     assert "skipped_running (token 1, attempt 1, holder fast)" in out

@@ -18,9 +18,8 @@ import pytest
 import dedup
 from dedup import _limits as limits
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import task_jobs
+from dedup_dev import helpers, task_jobs
+from dedup_dev.kafka import Topics
 
 TABLES = ("tasks", "leases", "events", "processed", "dead_letters", "partitions")
 

@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from dedup_dev import effects as support
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev.kafka import Topics
 
 
 async def forget(pool: Any, topic: str, *, from_offset: int, row: str) -> None:

@@ -15,8 +15,8 @@ import pytest
 
 import dedup
 from dedup import _migrations as dedup_migrations
-from tests.conftest import LoginAs, NewDatabase
-from tests.support.catalog import catalog
+from dedup_dev.catalog import catalog
+from dedup_dev.database import LoginAs, NewDatabase
 
 
 async def test_migrate_is_rerunnable(dsn: str) -> None:

@@ -15,10 +15,9 @@ import orjson
 import pytest
 
 from dedup_dev import effects as support
+from dedup_dev import helpers, kafka_tools
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import kafka_tools
+from dedup_dev.kafka import Topics
 
 
 def item(key: str) -> bytes:

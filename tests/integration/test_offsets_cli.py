@@ -15,10 +15,10 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from dedup_dev import effects as support
+from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support.audit import json_out, run_cli_async
+from dedup_dev.audit import json_out, run_cli_async
+from dedup_dev.kafka import Topics
 
 SHOW_FIELDS = {
     "group_id",

@@ -18,9 +18,9 @@ import orjson
 
 import dedup
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support.audit import json_out, run_cli_async
+from dedup_dev import helpers
+from dedup_dev.audit import json_out, run_cli_async
+from dedup_dev.kafka import Topics
 
 NO_STATEMENT_CACHE = {"statement_cache_size": 0}
 
@@ -139,7 +139,7 @@ async def test_the_task_runner_runs_a_task_once_through_pgbouncer(
     rerun = await run_cli_async(
         "task",
         "run",
-        "tests.support.task_jobs:record",
+        "dedup_dev.task_jobs:record",
         *("--task", "statements", "--key", "2026-11-30"),
         dsn=pgbouncer_dsn,
     )

@@ -30,11 +30,11 @@ from typing import Any
 
 import orjson
 
-from dedup_dev import children, dashboard, kafka
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import docs as docs_support
-from tests.support import service as service_support
+from dedup_dev import children, dashboard, helpers, kafka
+from dedup_dev import docs as docs_support
+from dedup_dev import service_process as service_support
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 DASHBOARD = ROOT / "compose" / "grafana" / "dashboards" / "dedup.json"
 PAGE = ROOT / "docs" / "operations.md"

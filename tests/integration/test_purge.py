@@ -14,11 +14,10 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from dedup_dev import audit as audit_support
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import audit as audit_support
-from tests.support.audit import (
+from dedup_dev import helpers
+from dedup_dev.audit import (
     UTC,
     add_dead_letter,
     add_event,
@@ -26,6 +25,7 @@ from tests.support.audit import (
     json_out,
     run_cli,
 )
+from dedup_dev.kafka import Topics
 
 T = datetime.datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 TICK = datetime.timedelta(microseconds=1)

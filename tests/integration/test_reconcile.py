@@ -23,9 +23,9 @@ import dedup
 from consumers import payments, statements
 from dedup import _cli as cli
 from dedup import _reconciliation as reconciliation
+from dedup_dev import service_process as service_support
 from tests.integration.test_service_statements import DAY, ledger
 from tests.integration.test_tracing import counter_totals
-from tests.support import service as service_support
 
 
 async def reconcile_events(pool: Any) -> list[tuple[str, str, str, dict[str, Any]]]:

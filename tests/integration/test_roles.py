@@ -22,12 +22,13 @@ import pytest
 
 import dedup
 from dedup import _migrations as migrations
+from dedup_dev import docs as docs_support
 from dedup_dev import effects as support
-from dedup_dev.services import with_database
-from tests import helpers
-from tests.conftest import ROOT, LoginAs, NewDatabase, Topics
-from tests.support import docs as docs_support
-from tests.support.audit import add_dead_letter, add_event, add_key, json_out, run_cli
+from dedup_dev import helpers
+from dedup_dev.audit import add_dead_letter, add_event, add_key, json_out, run_cli
+from dedup_dev.database import LoginAs, NewDatabase
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT, with_database
 
 RUNTIME_PRIVILEGES = {"SELECT", "INSERT", "UPDATE", "DELETE"}
 # Tables whose rows the runtime role may not change once written.

@@ -7,8 +7,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
 
 
 async def test_message_produced_to_kafka_lands_in_postgres(

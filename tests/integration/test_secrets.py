@@ -34,8 +34,9 @@ import dedup
 from dedup import _cli as cli
 from dedup import _migrations as migrations
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import LoginAs, Topics
+from dedup_dev import helpers
+from dedup_dev.database import LoginAs
+from dedup_dev.kafka import Topics
 
 MARK = uuid.uuid4().hex
 """In every password of this run; found in none of the outputs."""

@@ -24,13 +24,12 @@ from aiokafka.structs import TopicPartition
 import dedup
 from dedup import _kafka_client as kafka_client
 from dedup_dev import effects as support
+from dedup_dev import helpers, kafka_tools
 from dedup_dev import kafka as kafka_support
-from dedup_dev.services import SecuredKafka, Services
-from tests import helpers
-from tests.conftest import ROOT, Topics
-from tests.support import kafka_tools
-from tests.support import service as service_support
-from tests.support.audit import add_dead_letter, json_out, run_cli_async
+from dedup_dev import service_process as service_support
+from dedup_dev.audit import add_dead_letter, json_out, run_cli_async
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT, SecuredKafka, Services
 
 
 @pytest.fixture

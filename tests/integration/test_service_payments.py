@@ -15,9 +15,9 @@ import pytest
 import dedup
 from consumers import payments
 from dedup_dev import effects as consumer_support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support import service as service_support
+from dedup_dev import helpers
+from dedup_dev import service_process as service_support
+from dedup_dev.kafka import Topics
 
 DAY = "2026-11-30"
 

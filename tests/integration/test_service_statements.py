@@ -15,7 +15,7 @@ import pytest
 
 import dedup
 from consumers import service, statements
-from tests.support import service as service_support
+from dedup_dev import service_process as service_support
 
 DAY = "2026-11-30"
 

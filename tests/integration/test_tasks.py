@@ -1,8 +1,8 @@
 """``dedup.TaskRunner`` and ``dedup task run``: once per (task, business key), across processes.
 
 Runners in other processes are ``dedup task run`` started by
-:mod:`tests.support.task_worker`; every job proves it ran by a row in
-``job_runs`` (:mod:`tests.support.task_jobs`), written under its token.
+:mod:`dedup_dev.task_worker`; every job proves it ran by a row in
+``job_runs`` (:mod:`dedup_dev.task_jobs`), written under its token.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from tests import helpers
-from tests.support import task_jobs, task_worker
+from dedup_dev import helpers, task_jobs, task_worker
 
-JOBS = "tests.support.task_jobs"
+JOBS = "dedup_dev.task_jobs"
 DAY = "2024-05-31"
 
 

@@ -25,9 +25,9 @@ from aiokafka.structs import TopicPartition
 
 import dedup
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
-from tests.support.audit import json_out, run_cli_async
+from dedup_dev import helpers
+from dedup_dev.audit import json_out, run_cli_async
+from dedup_dev.kafka import Topics
 
 METADATA_MAX_AGE_MS = 500  # new partitions are seen within it (aiokafka's default: 5 minutes)
 

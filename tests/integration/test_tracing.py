@@ -19,8 +19,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import dedup
 from dedup import _telemetry as telemetry
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import ROOT, Topics
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
+from dedup_dev.services import ROOT
 
 
 def counter_totals(reader: InMemoryMetricReader) -> Counter[str]:

@@ -10,8 +10,8 @@ from aiokafka import AIOKafkaConsumer
 
 import dedup
 from dedup_dev import effects as support
-from tests import helpers
-from tests.conftest import Topics
+from dedup_dev import helpers
+from dedup_dev.kafka import Topics
 
 
 async def test_wrap_gives_the_same_guarantees_in_your_own_loop(

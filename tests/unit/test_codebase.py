@@ -72,3 +72,20 @@ def test_queries_name_their_parameters() -> None:
         if positional.search(line.split("--")[0])
     ]
     assert found == []
+
+
+_CONFTEST_IMPORT = re.compile(
+    r"^\s*(from\s+(tests\.)?conftest\s+import|import\s+(tests\.)?conftest)", re.M
+)
+
+
+def test_no_test_imports_conftest() -> None:
+    """conftest holds the fixtures; what tests import lives in dedup_dev, the one home."""
+    root = LIBRARY.parent
+    importing = [
+        str(path.relative_to(root))
+        for path in sorted(root.glob("tests/**/*.py"))
+        if _CONFTEST_IMPORT.search(path.read_text(encoding="utf-8"))
+    ]
+    assert importing == []
+    assert _CONFTEST_IMPORT.search("from tests.conftest import ROOT\n")

@@ -13,7 +13,7 @@ import subprocess
 
 import yaml
 
-from tests.conftest import ROOT
+from dedup_dev.services import ROOT
 
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.conftest import ROOT
+from dedup_dev.services import ROOT
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import ROOT
+from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "reference" / "configuration.md"
 PYTHON_READS = [

@@ -14,7 +14,7 @@ import pytest
 
 import dedup
 from dedup import _cli as cli
-from tests.conftest import ROOT
+from dedup_dev.services import ROOT
 
 CONTRACT = {
     "IdempotentConsumer",
