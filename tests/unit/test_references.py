@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +33,20 @@ _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`~?(dedup(?:\.\w
 
 NOT_IN_THE_TREE = {
     "dedup/sql": "the statements' place inside the wheel (sql/ in the checkout)",
-    "bench/results.json": "written by python -m bench",
-    "bench/results-soak.json": "written by python -m bench soak",
 }
+_WRITTEN_BY_A_RUN = re.compile(r"bench/results[\w-]*\.json")
+"""What ``python -m bench`` writes (ignored by git)."""
+
+
+def _tracked() -> set[str]:
+    """The files git tracks, and their folders: what a fresh clone has."""
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {str(parent) for name in listed for parent in [Path(name), *Path(name).parents]}
+
+
+TRACKED = _tracked()
 _PLACEHOLDER = re.compile(r"NNNN|AREA")
 _MIGRATION_NAME = re.compile(r"dedup/\d{4}_\w+\.sql")
 """How ``dedup migrate`` names a migration in its output: component/file."""
@@ -61,9 +73,14 @@ def _broken(where: str, text: str) -> list[str]:
     broken = []
     for m in _PATH.finditer(text):
         ref = m.group(1)
-        if ref in NOT_IN_THE_TREE or _PLACEHOLDER.search(ref) or _MIGRATION_NAME.fullmatch(ref):
+        if (
+            ref in NOT_IN_THE_TREE
+            or _PLACEHOLDER.search(ref)
+            or _MIGRATION_NAME.fullmatch(ref)
+            or _WRITTEN_BY_A_RUN.fullmatch(ref)
+        ):
             continue
-        if not (ROOT / ref).exists():
+        if ref not in TRACKED:
             broken.append(f"{where}: path {ref}")
     for m in _PRIVATE.finditer(text):
         name = m.group(1)
