@@ -39,7 +39,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
 from bench import stats, workload
-from dedup import _sql as sql
+from dedup.data import _sql as sql
 
 ARMS = (
     "raw",

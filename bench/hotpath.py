@@ -42,9 +42,9 @@ from aiokafka.structs import ConsumerRecord
 
 from bench import arms, workload
 from dedup import _message as message_
-from dedup import _sql as sql
 from dedup import _store as store
 from dedup import keys
+from dedup.data import _sql as sql
 
 RECORDS = 100_000
 """Records per round of ``steps``."""

@@ -44,8 +44,8 @@ import asyncpg
 import orjson
 
 from bench import arms, run, workload
-from dedup import _retention as retention
-from dedup import _sql as sql
+from dedup.data import _sql as sql
+from dedup.operations import _retention as retention
 from dedup_dev import database as dev_database
 from dedup_dev import services as dev_services
 

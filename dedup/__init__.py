@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 
 from dedup import keys
-from dedup._consumer import IdempotentConsumer
-from dedup._db import create_pool
 from dedup._errors import (
     ConfigurationError,
     DedupError,
@@ -26,13 +24,15 @@ from dedup._faststream import FastStreamDedup
 from dedup._kafka_client import add_kafka_options, kafka_options
 from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
-from dedup._migrations import migrate
-from dedup._reconciliation import Check as ReconcileCheck
-from dedup._reconciliation import ReconcileReport, reconcile
-from dedup._task_command import run_task
-from dedup._task_run import TaskOutcome, TaskRun, TaskState
-from dedup._tasks import TaskRunner
 from dedup._wrap import claim, wrap
+from dedup.consumer._consumer import IdempotentConsumer
+from dedup.data._db import create_pool
+from dedup.data._migrations import migrate
+from dedup.operations._reconciliation import Check as ReconcileCheck
+from dedup.operations._reconciliation import ReconcileReport, reconcile
+from dedup.tasks._command import run_task
+from dedup.tasks._run import TaskOutcome, TaskRun, TaskState
+from dedup.tasks._runner import TaskRunner
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
 _DISTRIBUTION = "dedup-kafka"

@@ -27,7 +27,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 from dedup import _config as config
-from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _guard as guard
 from dedup import _handler as handler_
@@ -36,6 +35,7 @@ from dedup import _message as message_
 from dedup import _store as store
 from dedup import _wrap as wrap_
 from dedup import keys
+from dedup.data import _db as db
 
 log = logging.getLogger("dedup.faststream")
 

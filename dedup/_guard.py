@@ -27,7 +27,7 @@ from typing import Any
 import asyncpg
 
 from dedup import _errors as errors
-from dedup import _sql as sql
+from dedup.data import _sql as sql
 
 _ENDS_TRANSACTION = re.compile(
     r"(commit|end|abort|prepare\s+transaction|rollback(?!\s+to\b))\b", re.IGNORECASE

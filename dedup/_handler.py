@@ -72,7 +72,7 @@ async def call(
     ``SystemExit`` and ``KeyboardInterrupt`` go through: the transaction rolls
     back and the process ends, as the handler asked.  The consumer counts such
     exits across restarts and dead-letters the message after ``max_attempts``
-    of them (see :mod:`dedup._lanes`).
+    of them (see :mod:`dedup.consumer._lanes`).
     """
     try:
         async with asyncio.timeout(deadline_s) as deadline:

@@ -34,12 +34,12 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _limits as limits
-from dedup import _sql as sql
 from dedup import _telemetry as telemetry
+from dedup.data import _db as db
+from dedup.data import _events as events
+from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.leases")
 

@@ -10,7 +10,7 @@ import asyncpg
 import orjson
 
 from dedup import _errors as errors
-from dedup import _sql as sql
+from dedup.data import _sql as sql
 
 _UNDECODED: Any = object()
 """``Message._decoded`` before the value is decoded (a JSON ``null`` decodes to ``None``)."""

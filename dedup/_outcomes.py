@@ -12,11 +12,11 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _events as events
 from dedup import _message as message_
 from dedup import _results as store
-from dedup import _sql as sql
 from dedup import _telemetry as telemetry
+from dedup.data import _events as events
+from dedup.data import _sql as sql
 
 DUPLICATE_KEYS_SHOWN = 20
 """How many keys a batch's ``dedup.duplicate`` span event lists (its count has them all)."""

@@ -1,7 +1,7 @@
 """What one batch is and did: the fence it runs under, its dead letters, its result.
 
 Values only, shared by the statements (:mod:`dedup._store`), the consumer's
-transactions (:mod:`dedup._turn`) and ``wrap``/``claim`` (:mod:`dedup._wrap`).
+transactions (:mod:`dedup.consumer._turn`) and ``wrap``/``claim`` (:mod:`dedup._wrap`).
 """
 
 from __future__ import annotations

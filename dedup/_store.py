@@ -1,6 +1,6 @@
 """dedup's statements in the consumer's transactions, and in ``wrap`` and ``claim``.
 
-In one consumer transaction (:mod:`dedup._turn`), :meth:`Store.fence_and_claim`
+In one consumer transaction (:mod:`dedup.consumer._turn`), :meth:`Store.fence_and_claim`
 sends **one** statement for every partition of the turn: each partition's
 offset moves only under its current token and from where this holder left it
 (the fence), and the keys of the fenced partitions are claimed with one
@@ -25,14 +25,14 @@ from typing import Any
 import asyncpg
 
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _faults as faults
 from dedup import _message as message_
 from dedup import _outcomes as outcomes
 from dedup import _results as results
-from dedup import _sql as sql
 from dedup import _telemetry as telemetry
 from dedup import keys
+from dedup.data import _events as events
+from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.store")
 

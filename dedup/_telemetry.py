@@ -14,7 +14,7 @@ Each state transition is a span event named ``dedup.<transition>`` with
 ``docs/reference/telemetry.md`` (a test checks the page against what is emitted).
 
 Which conventions, and ``OTEL_SEMCONV_STABILITY_OPT_IN``: :mod:`dedup._semconv`;
-the CLIENT spans of statements: :mod:`dedup._db_telemetry`.
+the CLIENT spans of statements: :mod:`dedup.data._db_telemetry`.
 
 Telemetry never fails a batch: whatever a producer put in its headers, and
 whatever an installed SDK does, a fault here is counted in
@@ -165,7 +165,7 @@ faults = _counter(
 
 
 class Positions(Protocol):
-    """What the consumer's partitions tell the observable gauges (``dedup._partitions``)."""
+    """What the consumer's partitions tell the observable gauges (``consumer._partitions``)."""
 
     def lag(self) -> Iterable[tuple[int, Mapping[str, Any]]]:
         """Per partition: the log-end offset minus the offset stored in Postgres."""

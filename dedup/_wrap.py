@@ -11,12 +11,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from dedup import _config as config
-from dedup import _drivers as drivers
 from dedup import _handler as handler_
 from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import _store as store
 from dedup import keys
+from dedup.data import _drivers as drivers
 
 
 def wrap(

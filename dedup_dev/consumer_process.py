@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 
 import dedup
-from dedup import _db as db
+from dedup.data import _db as db
 from dedup_dev import children
 from dedup_dev import effects as support
 from dedup_dev.children import say
@@ -67,7 +67,7 @@ async def main(args: argparse.Namespace) -> None:
         # The server cuts a paused process's session after --idle-timeout-ms; the
         # handler's deadline stays inside it.
         handler_timeout=args.handler_timeout
-        or max(args.idle_timeout_ms / 1000 - dedup._consumer.IDLE_MARGIN, 0.5),
+        or max(args.idle_timeout_ms / 1000 - dedup.consumer._consumer.IDLE_MARGIN, 0.5),
     )
     say(f"READY {consumer.holder}")
     try:

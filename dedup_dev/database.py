@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 
-from dedup import _conninfo as conninfo
+from dedup.data import _conninfo as conninfo
 from dedup_dev import services
 
 NewDatabase = Callable[[], Awaitable[str]]

@@ -2,7 +2,7 @@
 
     python -m dedup_dev.task_worker [--clock-offset S] [--ready F --go F] -- ARGS...
 
-runs ``dedup ARGS...`` (``dedup._cli.main``) and exits with its code.
+runs ``dedup ARGS...`` (``dedup.cli._main.main``) and exits with its code.
 
 ``--clock-offset S`` shifts this process's wall clock by S seconds *before*
 dedup, asyncpg or the job module is imported: ``time.time``, ``time.time_ns``,
@@ -74,7 +74,7 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.clock_offset:
         shift_clock(opts.clock_offset)
-    from dedup import _cli as cli  # only now, so it sees the shifted clock
+    from dedup.cli import _main as cli  # only now, so it sees the shifted clock
 
     if opts.ready:
         opts.ready.touch()

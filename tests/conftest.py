@@ -38,7 +38,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import _db as db
+from dedup.data import _db as db
 from dedup_dev import database
 from dedup_dev import services as dedup_dev_services
 from dedup_dev.database import LoginAs, NewDatabase

@@ -67,10 +67,10 @@ import orjson
 
 import dedup
 from dedup import _config as config_
-from dedup import _consumer as consumer_
-from dedup import _db as db
 from dedup import _faults as faults
 from dedup import _store as store
+from dedup.consumer import _consumer as consumer_
+from dedup.data import _db as db
 from dedup_dev import children
 from tests.chaos import scenarios
 

@@ -59,7 +59,7 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
-from dedup import _db as db
+from dedup.data import _db as db
 from dedup_dev import helpers
 from dedup_dev.children import Child
 from tests.chaos import oracle, report, scenarios

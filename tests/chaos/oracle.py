@@ -48,7 +48,7 @@ import aiokafka
 import orjson
 from aiokafka.structs import TopicPartition
 
-from dedup import _sql as sql
+from dedup.data import _sql as sql
 from tests.chaos import scenarios
 
 EXAMPLES = 5

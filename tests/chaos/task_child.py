@@ -27,7 +27,7 @@ import sys
 import orjson
 
 import dedup
-from dedup import _db as db
+from dedup.data import _db as db
 
 EFFECTS = """
 CREATE TABLE IF NOT EXISTS chaos_task_effects (

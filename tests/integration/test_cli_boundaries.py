@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 import dedup
-from dedup import _db as db
+from dedup.data import _db as db
 from dedup_dev.audit import add_dead_letter, add_event, add_key, json_out, run_cli
 
 # Anything a terminal may act on: C0 (but the lines' own newlines), DEL and C1.

@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 import dedup
-from dedup import _db as db
 from dedup import _faults as faults
+from dedup.data import _db as db
 from dedup_dev import effects as support
 from dedup_dev import helpers
 from dedup_dev.consumer_process import started

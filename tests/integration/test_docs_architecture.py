@@ -6,7 +6,7 @@ import re
 import textwrap
 from typing import Any
 
-from dedup import _sql as sql
+from dedup.data import _sql as sql
 from dedup_dev import docs as docs_support
 from dedup_dev.services import ROOT
 
@@ -15,10 +15,11 @@ PAGE = ROOT / "docs" / "architecture.md"
 
 def test_the_page_names_every_module_of_the_library() -> None:
     text = PAGE.read_text(encoding="utf-8")
+    library = ROOT / "dedup"
     modules = sorted(
-        path.stem
-        for path in (ROOT / "dedup").glob("*.py")
-        if path.stem not in ("__init__", "__main__")
+        ".".join(path.relative_to(library).with_suffix("").parts).removesuffix(".__init__")
+        for path in library.rglob("*.py")
+        if path.relative_to(library).as_posix() not in ("__init__.py", "__main__.py")
     )
     missing = [m for m in modules if not re.search(rf"(?<![\w.]){re.escape(m)}\b", text)]
     assert missing == []
@@ -46,3 +47,18 @@ async def test_the_query_example_is_shipped_and_runs_as_written(pool: Any) -> No
         )
         row = await run_the_call(conn)
     assert (row["holder"], row["token"], row["next_offset"]) == ("me", 1, None)
+
+
+def test_the_tree_shows_every_part_and_top_level_module() -> None:
+    section = PAGE.read_text(encoding="utf-8").split("## The face and the rest")[1]
+    tree = section.split("```text")[1].split("```")[0]
+    library = ROOT / "dedup"
+    shown = {
+        *(f"{p.name}/" for p in library.iterdir() if (p / "__init__.py").exists()),
+        *(p.name for p in library.glob("*.py") if p.name != "__main__.py"),
+    }
+    missing = sorted(name for name in shown if not re.search(rf"(?<![\w/]){re.escape(name)}", tree))
+    assert missing == []
+    assert all(
+        (ROOT / line.split()[0]).exists() for line in tree.splitlines()[1:] if line[:1] not in " "
+    )

@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 
 import dedup
-from dedup import _audit as audit
-from dedup import _db as db
+from dedup.data import _db as db
+from dedup.operations import _audit as audit
 from dedup_dev import effects as support
 from dedup_dev import helpers, rows
 from dedup_dev.kafka import Topics

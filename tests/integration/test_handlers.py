@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 import dedup
-from dedup import _db as db
+from dedup.data import _db as db
 from dedup_dev import consumer_process as processes
 from dedup_dev import effects as support
 from dedup_dev import helpers
@@ -253,7 +253,7 @@ async def test_a_handler_within_its_deadline_keeps_its_session(
     topic = await topics.create()
     await pool.execute(support.EFFECTS)
     await helpers.produce(bootstrap_servers, topic, [(None, item(i)) for i in range(3)])
-    short = await dedup._db.create_pool(
+    short = await dedup.data._db.create_pool(
         dsn, max_size=3, server_settings={"idle_in_transaction_session_timeout": "500"}
     )
 
@@ -284,7 +284,7 @@ async def test_a_session_the_server_cut_is_a_handler_failure_not_an_endless_retr
     async def block(tx: dedup.Tx) -> None:
         calls.append("m1")
         # Blocking the event loop: the handler's deadline can't fire, the server's does.
-        time.sleep(0.5 + dedup._consumer.IDLE_MARGIN + 0.6)  # noqa: ASYNC251
+        time.sleep(0.5 + dedup.consumer._consumer.IDLE_MARGIN + 0.6)  # noqa: ASYNC251
         await tx.conn.execute("SELECT 1")
 
     consumer = support.consumer(

@@ -19,8 +19,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 import dedup
-from dedup import _cli as cli
 from dedup import keys
+from dedup.cli import _main as cli
 from dedup_dev import effects as support
 from dedup_dev import helpers
 from dedup_dev.audit import json_out, run_cli

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 import dedup
-from dedup import _migrations as dedup_migrations
+from dedup.data import _migrations as dedup_migrations
 from dedup_dev.catalog import catalog
 from dedup_dev.database import LoginAs, NewDatabase
 

@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from consumers import payments, statements
-from dedup import _cli as cli
-from dedup import _reconciliation as reconciliation
+from dedup.cli import _main as cli
+from dedup.operations import _reconciliation as reconciliation
 from dedup_dev import service_process as service_support
 from tests.integration.test_service_statements import DAY, ledger
 from tests.integration.test_tracing import counter_totals

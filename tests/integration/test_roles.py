@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 
 import dedup
-from dedup import _migrations as migrations
+from dedup.data import _migrations as migrations
 from dedup_dev import docs as docs_support
 from dedup_dev import effects as support
 from dedup_dev import helpers
@@ -238,7 +238,7 @@ async def test_a_consumer_that_cannot_take_its_partitions_fails_loudly(
     runtime_role = (await _roles(pool))[0]
     # The runtime role may not write partition rows in this database: taking fails for good.
     await pool.execute(f'REVOKE INSERT, UPDATE ON dedup.partitions FROM "{runtime_role}"')
-    runtime = await dedup._db.create_pool(await login_as(runtime_role), max_size=3)
+    runtime = await dedup.data._db.create_pool(await login_as(runtime_role), max_size=3)
     consumer = support.consumer(support.record_effect, topic, bootstrap_servers, runtime)
     try:
         started = time.monotonic()
@@ -342,7 +342,7 @@ async def test_one_applications_role_is_refused_on_every_table_of_another(
     await helpers.produce(
         bootstrap_servers, topic, [(None, b'{"id": "p-%d"}' % i) for i in range(3)]
     )
-    as_a_pool = await dedup._db.create_pool(login, max_size=4)
+    as_a_pool = await dedup.data._db.create_pool(login, max_size=4)
     try:
         consumer = support.consumer(
             support.record_effect, topic, bootstrap_servers, as_a_pool, schema="payments"

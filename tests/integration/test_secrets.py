@@ -31,8 +31,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import _cli as cli
-from dedup import _migrations as migrations
+from dedup.cli import _main as cli
+from dedup.data import _migrations as migrations
 from dedup_dev import effects as support
 from dedup_dev import helpers
 from dedup_dev.database import LoginAs

@@ -6,7 +6,7 @@ import urllib.parse
 
 import pytest
 
-from dedup import _conninfo as conninfo
+from dedup.data import _conninfo as conninfo
 
 SECRET = "s3cr@t/pw?x=1&y#z"  # noqa: S105 (a made-up password, for masking)
 """A password with every character that has a meaning in a URL."""

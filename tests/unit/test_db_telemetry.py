@@ -1,4 +1,4 @@
-"""A statement's CLIENT span and duration point (dedup._db_telemetry), and tracing off."""
+"""A statement's CLIENT span and duration point (dedup.data._db_telemetry), and tracing off."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dedup import _db_telemetry as db_telemetry
+from dedup.data import _db_telemetry as db_telemetry
 
 
 class FakeConnection:

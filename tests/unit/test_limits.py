@@ -12,8 +12,8 @@ import pytest
 
 import dedup
 from dedup import _limits as limits
-from dedup import _task_run as task_run
 from dedup import keys
+from dedup.tasks import _run as task_run
 from dedup_dev import effects as support
 from tests.integration.test_wrap_and_config import consumer_with
 

@@ -6,7 +6,7 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 import dedup
-from dedup import _out_of_range as out_of_range
+from dedup.consumer import _out_of_range as out_of_range
 
 
 async def handler(msg: dedup.Message, tx: dedup.Tx) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import importlib
 import inspect
 import os
 import pkgutil
@@ -13,7 +14,7 @@ import tomllib
 import pytest
 
 import dedup
-from dedup import _cli as cli
+from dedup.cli import _main as cli
 from dedup_dev.services import ROOT
 
 CONTRACT = {
@@ -112,15 +113,23 @@ def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out == f"dedup (dedup-kafka) {version}\n"
 
 
+PARTS = ["cli", "consumer", "data", "operations", "tasks"]
+"""The library's folders by part (docs/architecture.md): private modules inside, nothing
+exported."""
+
+
 def test_modules_other_than_keys_are_private() -> None:
     # The face is `dedup` itself (and `dedup.keys`, documented as a module):
     # everything else is free to change shape without breaking a user.
-    public = sorted(
-        m.name
-        for m in pkgutil.iter_modules(dedup.__path__)
-        if not m.name.startswith("_") and m.name != "keys"
-    )
-    assert public == []
+    found = pkgutil.iter_modules(dedup.__path__)
+    public = sorted(m.name for m in found if not m.name.startswith("_") and m.name != "keys")
+    assert public == PARTS
+    for name in PARTS:
+        part = importlib.import_module(f"dedup.{name}")
+        inside = [m.name for m in pkgutil.iter_modules(part.__path__)]
+        assert inside and all(m.startswith("_") for m in inside), (name, inside)
+        exported = [n for n in vars(part) if not n.startswith("_") and n not in inside]
+        assert exported == [], f"dedup.{name} exports {exported}: its face is `import dedup`"
 
 
 def test_task_states_are_the_strings_stored_in_postgres() -> None:

@@ -2,8 +2,8 @@
 
 Three kinds of reference are read in the Python of the library, the services,
 dedup_dev and bench, and in every page under docs/ (and the README): a
-repository path (``dedup/_sql.py``, ``../sql/queries/consumer.sql``), a private
-module (``dedup._lanes``), and a Sphinx role (``:mod:`dedup._turn```,
+repository path (``dedup/data/_sql.py``, ``../sql/queries/consumer.sql``), a private
+module (``dedup.consumer._lanes``), and a Sphinx role (``:mod:`dedup.consumer._turn```,
 ``:func:`dedup.keys.json_field```), which must import.
 """
 
@@ -103,7 +103,7 @@ def test_the_reference_check_sees_a_broken_reference() -> None:
     sample = (
         "see :mod:`dedup._worker`, :func:`dedup.keys.no_such_strategy`, "
         "[the loop](../dedup/_consumer_loop.py) and `dedup._batch`; "
-        "but :mod:`dedup._lanes` and [the claim](../sql/queries/consumer.sql) exist\n"
+        "but :mod:`dedup.consumer._lanes` and [the claim](../sql/queries/consumer.sql) exist\n"
     )
     assert [ref.split(": ", 1)[1] for ref in _broken("docs/page.md", sample)] == [
         "path dedup/_consumer_loop.py",

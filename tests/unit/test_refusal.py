@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dedup import _offsets as offsets
-from dedup import _refusal as refusal
 from dedup import _store as store
+from dedup.consumer import _refusal as refusal
+from dedup.operations import _offsets as offsets
 
 ME, OTHER = "c1", "c2"
 OPERATOR = offsets.OPERATOR_PREFIX + "alice"

@@ -1,4 +1,4 @@
-"""The consumer's retry policy (dedup/_retry.py) and the placing of partitions on lanes,
+"""The consumer's retry policy (dedup/consumer/_retry.py) and the placing of partitions on lanes,
 without services: each error, raised in the handler or in dedup's statements, gets the
 action the table in the module's docstring gives it."""
 
@@ -9,8 +9,8 @@ import pytest
 from aiokafka.structs import TopicPartition
 
 from dedup import _errors as errors
-from dedup import _lanes as lanes
-from dedup import _retry as retry
+from dedup.consumer import _lanes as lanes
+from dedup.consumer import _retry as retry
 
 Action = retry.Action
 

@@ -1,4 +1,4 @@
-"""Schema names, the named-query layer (dedup/_sql.py) and migration discovery: pure logic."""
+"""Schema names, the named-query layer (dedup/data/_sql.py) and migration discovery: pure logic."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _migrations as migrations
-from dedup import _sql as sql
+from dedup.data import _db as db
+from dedup.data import _migrations as migrations
+from dedup.data import _sql as sql
 
 
 @pytest.mark.parametrize("name", ["dedup", "tenant_7", "_x"])

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import dedup
 from dedup import _semconv as semconv
-from dedup import _sql as sql
 from dedup import _telemetry as telemetry
+from dedup.data import _sql as sql
 
 
 def traceparent(n: int) -> tuple[str, bytes]:

@@ -6,8 +6,8 @@ import datetime
 
 import pytest
 
-from dedup import _retention as retention
 from dedup import _timespec as timespec
+from dedup.operations import _retention as retention
 
 UTC = datetime.UTC
 

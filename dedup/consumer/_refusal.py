@@ -25,15 +25,15 @@ from typing import Any, Protocol
 
 from aiokafka.structs import TopicPartition
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _offsets as offsets
 from dedup import _results as store
 from dedup import _telemetry as telemetry
+from dedup.data import _db as db
+from dedup.operations import _offsets as offsets
 
 
 class Held(Protocol):
-    """A partition as its holder knows it (:class:`dedup._lanes.Partition`)."""
+    """A partition as its holder knows it (:class:`dedup.consumer._lanes.Partition`)."""
 
     tp: TopicPartition
     token: int

@@ -1,6 +1,6 @@
 """The consumer's retry policy: what each failure of a transaction means, in one table.
 
-A lane (:mod:`dedup._lanes`) runs one transaction per turn (:mod:`dedup._turn`).
+A lane (:mod:`dedup.consumer._lanes`) runs one transaction per turn (:mod:`dedup.consumer._turn`).
 When it fails, :func:`decide` reads :data:`RULES` from the top and takes the
 first rule that matches the error and where it was raised (in the handler, or
 in a statement dedup sent):
@@ -49,8 +49,8 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
+from dedup.data import _db as db
 
 FIRST_BACKOFF = 0.05
 """Seconds before the first run again of a transaction that failed for a transient reason."""
@@ -119,7 +119,7 @@ def _gone(exc: BaseException) -> bool:
     """The server or the connection went away (transient; a fresh connection is needed).
 
     Only for dedup's statements: an error the handler raised while dedup's
-    connection was lost reaches the policy as dedup's (:mod:`dedup._turn`), so a
+    connection was lost reaches the policy as dedup's (:mod:`dedup.consumer._turn`), so a
     handler's own ``OSError`` or ``TimeoutError`` stays the handler's failure.
     """
     return db.is_retriable(exc) and not _lock_wait(exc)

@@ -49,11 +49,11 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _report as report
-from dedup import _sql as sql
 from dedup import _timespec as timespec
+from dedup.data import _db as db
+from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.retention")
 

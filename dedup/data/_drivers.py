@@ -12,8 +12,8 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
+from dedup.data import _db as db
 
 
 async def in_transaction(conn: Any, what: str) -> asyncpg.Connection:

@@ -30,8 +30,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dedup import _db_telemetry as db_telemetry
 from dedup import _errors as errors
+from dedup.data import _db_telemetry as db_telemetry
 
 DEFAULT_SCHEMA = "dedup"
 
@@ -53,7 +53,7 @@ def _statements() -> Path:
     packaged = importlib.resources.files("dedup") / "sql"
     if packaged.is_dir():
         return Path(str(packaged))
-    return Path(__file__).resolve().parent.parent / "sql"
+    return Path(__file__).resolve().parents[2] / "sql"
 
 
 _SQL = _statements()
@@ -123,7 +123,8 @@ def summarize(text: str, schema: str | None) -> tuple[str, str]:
 class Query:
     """One named query, rendered for one schema, run with keyword arguments.
 
-    Each run is a CLIENT span named after its ``summary`` (:func:`dedup._db_telemetry.db_call`).
+    Each run is a CLIENT span named after its ``summary``
+    (:func:`dedup.data._db_telemetry.db_call`).
     """
 
     name: str

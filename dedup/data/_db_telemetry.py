@@ -1,7 +1,7 @@
 """CLIENT spans and ``db.client.operation.duration`` for each statement dedup sends.
 
-Every named query (:class:`dedup._sql.Query`) runs inside :func:`db_call`, and
-so do a consumer batch's BEGIN, COMMIT and ROLLBACK (:mod:`dedup._turn`).
+Every named query (:class:`dedup.data._sql.Query`) runs inside :func:`db_call`, and
+so do a consumer batch's BEGIN, COMMIT and ROLLBACK (:mod:`dedup.consumer._turn`).
 The handler's own statements are the application's to trace.
 """
 
@@ -21,7 +21,7 @@ from dedup import _telemetry as telemetry
 
 
 class Statement(Protocol):
-    """What a CLIENT span says of one statement (:class:`dedup._sql.Query` is one)."""
+    """What a CLIENT span says of one statement (:class:`dedup.data._sql.Query` is one)."""
 
     @property
     def operation(self) -> str:

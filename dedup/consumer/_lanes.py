@@ -4,17 +4,17 @@ The consumer has ``concurrency`` lanes.  At each assignment every partition it
 takes is placed on a lane (:func:`place`: a partition stays on its lane across
 rebalances where it can) and gets a :class:`Partition`, which holds its token,
 its offset as this holder last stored it, and the records fetched for it.
-The fetch loop (:mod:`dedup._consumer`) feeds each partition's records and
+The fetch loop (:mod:`dedup.consumer._consumer`) feeds each partition's records and
 wakes its lane.
 
 A lane's loop takes a **turn** whenever its partitions hold records: up to
 ``batch_size`` records in all, each partition's in offset order (the partition
 served first rotates, so none waits behind a busy neighbour), and applies them
-in one transaction (:mod:`dedup._turn`).  Its partitions wait while it runs;
+in one transaction (:mod:`dedup.consumer._turn`).  Its partitions wait while it runs;
 the other lanes' don't.  A hung handler holds up only its own lane, for
 ``handler_timeout`` per attempt.
 
-When a turn fails, the policy of :mod:`dedup._retry` says what to do: run it
+When a turn fails, the policy of :mod:`dedup.consumer._retry` says what to do: run it
 again (a deadlock, an outage), drop a partition the fence refused, or split
 it to find the message whose handler fails, which gets ``max_attempts`` and
 is then dead-lettered.
@@ -22,7 +22,7 @@ is then dead-lettered.
 A partition's :class:`State` is one value: ``OWNED`` while its records are
 applied; ``MOVED`` (``dedup offsets`` moved it), ``FORGOTTEN`` (Postgres lost
 commits of ours) and ``TAKEN`` (another consumer has it) once the fence, or
-the periodic look of :mod:`dedup._partitions`, found that; ``CLOSED`` after a
+the periodic look of :mod:`dedup.consumer._partitions`, found that; ``CLOSED`` after a
 revoke or at shutdown.
 """
 
@@ -43,13 +43,13 @@ from aiokafka.structs import TopicPartition
 from dedup import _errors as errors
 from dedup import _handler as handler_
 from dedup import _message as message_
-from dedup import _offsets as offsets
-from dedup import _refusal as refusal
 from dedup import _results as results
-from dedup import _retry as retry
 from dedup import _store as store
 from dedup import _telemetry as telemetry
-from dedup import _turn as turn
+from dedup.consumer import _refusal as refusal
+from dedup.consumer import _retry as retry
+from dedup.consumer import _turn as turn
+from dedup.operations import _offsets as offsets
 
 log = logging.getLogger("dedup.consumer")
 
@@ -363,7 +363,7 @@ class Lane:
         return Work(p, records, msgs, dead, next_offset)
 
     async def _apply(self, work: list[Work]) -> None:
-        """Apply ``work`` in one transaction, as :mod:`dedup._retry` says when it fails."""
+        """Apply ``work`` in one transaction, as :mod:`dedup.consumer._retry` says when it fails."""
         tries = 0
         while True:
             work = [w for w in work if not w.done]
@@ -494,7 +494,7 @@ class Lane:
 
     async def _refused(self, refused: list[Work]) -> None:
         """The fence refused these partitions: what their rows say happened
-        (:mod:`dedup._refusal`)."""
+        (:mod:`dedup.consumer._refusal`)."""
         conn = await self.connection()
         for w in refused:
             p = w.partition
@@ -622,7 +622,7 @@ class Lane:
         """The lane's connection, (re)acquired from the pool when it has none or lost it.
 
         Nothing is set on the session: each transaction sets what it needs for
-        itself, and resets what the handler set before its COMMIT (:mod:`dedup._turn`).
+        itself, and resets what the handler set before its COMMIT (:mod:`dedup.consumer._turn`).
         """
         if self._conn is None or not _usable(self._conn):
             await self.release()

@@ -5,9 +5,9 @@ Every command takes ``--dsn`` (default: the ``DEDUP_DSN`` variable) and
 found a problem (a mismatch, a failed task), 2 bad usage or configuration;
 ``task run`` adds 3 (skipped: already succeeded) and 4 (skipped: running elsewhere).
 
-The other commands live beside it: ``_cli_migrate`` (migrate), ``_cli_audit``
-(audit, events, dead-letters, purge, reconcile), ``_cli_offsets`` (offsets);
-what they share is in ``_cli_common``.
+The other commands live beside it: ``cli._migrate`` (migrate), ``cli._audit``
+(audit, events, dead-letters, purge, reconcile), ``cli._offsets`` (offsets);
+what they share is in ``cli._common``.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import dedup
-from dedup import _cli_audit as cli_audit
-from dedup import _cli_common as common
-from dedup import _cli_migrate as cli_migrate
-from dedup import _cli_offsets as cli_offsets
 from dedup import _errors as errors
 from dedup import _imports as imports
 from dedup import _limits as limits
 from dedup import _report as report
-from dedup import _task_command as task_command
-from dedup import _tasks as tasks
+from dedup.cli import _audit as cli_audit
+from dedup.cli import _common as common
+from dedup.cli import _migrate as cli_migrate
+from dedup.cli import _offsets as cli_offsets
+from dedup.tasks import _command as task_command
+from dedup.tasks import _runner as tasks
 
 # The names `task run` and `run` use, from what every command shares.
 EXIT_OK = common.EXIT_OK

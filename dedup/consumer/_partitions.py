@@ -2,14 +2,14 @@
 
 Kafka assigns partitions; Postgres decides who may write to them.  On an
 assignment the partitions are taken with fresh fencing tokens, each gets a
-:class:`dedup._lanes.Partition` from the offset stored there, and is placed on
-a lane (:func:`dedup._lanes.place`, sticky across rebalances).  A partition the
+:class:`dedup.consumer._lanes.Partition` from the offset stored there, and is placed on
+a lane (:func:`dedup.consumer._lanes.place`, sticky across rebalances).  A partition the
 fence or the periodic look found ``MOVED`` or ``FORGOTTEN`` is taken back from
 the offset stored; one ``TAKEN`` is dropped until Kafka assigns it again.
 Kafka's committed offset follows Postgres every ``kafka_commit_interval``, for
 lag tools only.
 
-A stored offset outside the partition's log is resolved by :mod:`dedup._out_of_range`:
+A stored offset outside the partition's log is resolved by :mod:`dedup.consumer._out_of_range`:
 resumed at the log start (the loss recorded) or held until ``dedup offsets`` moves it.
 """
 
@@ -25,17 +25,17 @@ from typing import Any, TypeVar
 import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _handler as handler_
-from dedup import _lanes as lanes
-from dedup import _out_of_range as out_of_range
-from dedup import _refusal as refusal
 from dedup import _results as results
-from dedup import _retry as retry
 from dedup import _telemetry as telemetry
-from dedup import _turn as turn
+from dedup.consumer import _lanes as lanes
+from dedup.consumer import _out_of_range as out_of_range
+from dedup.consumer import _refusal as refusal
+from dedup.consumer import _retry as retry
+from dedup.consumer import _turn as turn
+from dedup.data import _db as db
+from dedup.data import _events as events
 
 log = logging.getLogger("dedup.consumer")
 T = TypeVar("T")
@@ -312,7 +312,7 @@ class Partitions:
                 future.cancel()
 
     async def out_of_range(self, positions: Mapping[TopicPartition, int]) -> None:
-        """aiokafka found these fetch positions outside their logs (dedup._out_of_range)."""
+        """aiokafka found these fetch positions outside their logs (``_out_of_range``)."""
         s = self._settings
         tokens = {tp: p.token for tp, p in self.owned.items()}
         owner = out_of_range.Owner(s.group_id, s.namespace, s.holder, tokens, self.beyond_end)

@@ -14,9 +14,9 @@
 5. the session reset and ``COMMIT``, in one round trip.
 
 A failure rolls the transaction back (and resets the session in the same
-round trip) and is raised for the lane's retry policy (:mod:`dedup._retry`):
-a refused fence as :class:`dedup._retry.Refused`, the handler's errors as
-:class:`dedup._retry.HandlerFailed`, anything else as it came.  Traced as the
+round trip) and is raised for the lane's retry policy (:mod:`dedup.consumer._retry`):
+a refused fence as :class:`dedup.consumer._retry.Refused`, the handler's errors as
+:class:`dedup.consumer._retry.HandlerFailed`, anything else as it came.  Traced as the
 conventions have it: a CONSUMER span ``process <topic>`` for the turn, an
 INTERNAL span ``dedup transaction`` inside it (the handler runs in it), and
 a CLIENT span per statement dedup sends, BEGIN and COMMIT included.  The
@@ -36,17 +36,17 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
-from dedup import _db_telemetry as db_telemetry
 from dedup import _errors as errors
 from dedup import _faults as faults
 from dedup import _handler as handler_
 from dedup import _results as results
-from dedup import _retry as retry
 from dedup import _semconv as semconv
 from dedup import _store as store
 from dedup import _telemetry as telemetry
 from dedup import keys
+from dedup.consumer import _retry as retry
+from dedup.data import _db as db
+from dedup.data import _db_telemetry as db_telemetry
 
 log = logging.getLogger("dedup.consumer")
 

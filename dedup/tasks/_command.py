@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dedup import _report as report
-from dedup import _sql as sql
-from dedup import _task_run as task_run
-from dedup import _tasks as tasks
+from dedup.data import _sql as sql
+from dedup.tasks import _run as task_run
+from dedup.tasks import _runner as tasks
 
 EXIT_CODES: Mapping[task_run.Status, int] = {
     "succeeded": 0,

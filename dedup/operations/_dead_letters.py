@@ -20,13 +20,13 @@ import aiokafka
 import aiokafka.errors
 import asyncpg
 
-from dedup import _audit as audit
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _kafka_client as kafka_client
 from dedup import _report as report
-from dedup import _sql as sql
 from dedup import _timespec as timespec
+from dedup.data import _events as events
+from dedup.data import _sql as sql
+from dedup.operations import _audit as audit
 
 KAFKA_TIMEOUT_MS = 5000
 

@@ -31,14 +31,14 @@ import aiokafka.errors
 import asyncpg
 from aiokafka.structs import TopicPartition
 
-from dedup import _audit as audit
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _offsets_kafka as offsets_kafka
 from dedup import _report as report
-from dedup import _sql as sql
 from dedup import _timespec as timespec
+from dedup.data import _db as db
+from dedup.data import _events as events
+from dedup.data import _sql as sql
+from dedup.operations import _audit as audit
 
 OPERATOR_PREFIX = "dedup offsets "
 """How the holder of a partition moved by this command starts."""
@@ -139,7 +139,7 @@ async def _add_kafka(rows: list[dict[str, Any]], kafka: offsets_kafka.Kafka) -> 
 
 
 def _outside(row: dict[str, Any], log: range) -> str | None:
-    """What a stored offset outside the partition's log means (dedup._out_of_range)."""
+    """What a stored offset outside the partition's log means (dedup.consumer._out_of_range)."""
     start, end, stored = log.start, log.stop - 1, row["next_offset"]
     if stored < start:
         return (

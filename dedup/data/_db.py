@@ -12,9 +12,9 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import _conninfo as conninfo
 from dedup import _errors as errors
-from dedup import _sql as sql
+from dedup.data import _conninfo as conninfo
+from dedup.data import _sql as sql
 
 # SQLSTATE classes and codes after which the same transaction can succeed when
 # tried again: connection exceptions (08), serialization failure (40001),
@@ -62,7 +62,7 @@ async def init_connection(conn: asyncpg.Connection) -> None:
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4, **kwargs: Any) -> Any:
     """Open an asyncpg pool for dedup's work, or raise an error that shows the DSN, redacted.
 
-    ``dsn`` is a URL or libpq keyword/value pairs (:mod:`dedup._conninfo`).  The
+    ``dsn`` is a URL or libpq keyword/value pairs (:mod:`dedup.data._conninfo`).  The
     only startup parameter dedup adds is ``application_name`` (which pgbouncer
     accepts); ``kwargs`` are asyncpg's (``statement_cache_size=0`` for
     pgbouncer in transaction mode; ``timeout``, the connect timeout in seconds,

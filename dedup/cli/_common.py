@@ -19,13 +19,13 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
-from dedup import _migrations as migrations
 from dedup import _report as report
-from dedup import _sql as sql
 from dedup import _timespec as timespec
+from dedup.data import _db as db
+from dedup.data import _migrations as migrations
+from dedup.data import _sql as sql
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1

@@ -14,8 +14,8 @@ from typing import Any
 import asyncpg
 import orjson
 
-from dedup import _sql as sql
 from dedup import _telemetry as telemetry
+from dedup.data import _sql as sql
 
 
 @dataclass(frozen=True)

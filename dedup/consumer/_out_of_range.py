@@ -27,8 +27,8 @@ from typing import Any
 from aiokafka.structs import TopicPartition
 
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _telemetry as telemetry
+from dedup.data import _events as events
 
 log = logging.getLogger("dedup.consumer")
 

@@ -24,9 +24,9 @@ import orjson
 
 from dedup import _errors as errors
 from dedup import _report as report
-from dedup import _sql as sql
 from dedup import _timespec as timespec
 from dedup import keys
+from dedup.data import _sql as sql
 
 STATUSES = ("processed", "duplicate", "conflict", "dead_lettered")
 """What ``audit --status`` selects: claimed keys, keys that had duplicates or

@@ -18,11 +18,11 @@ from typing import Any, Literal
 import asyncpg
 import orjson
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _leases as leases
-from dedup import _sql as sql
+from dedup.data import _db as db
+from dedup.data import _events as events
+from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.tasks")
 

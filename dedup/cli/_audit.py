@@ -3,7 +3,7 @@
 Each reads (or purges) what the consumers and task runners left in the
 database and prints one :class:`dedup._report.Report`, as a table or JSON.
 A command's function says in its docstring what ``--help`` shows (see
-:func:`dedup._cli_common.command`).
+:func:`dedup.cli._common.command`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import logging
 import sys
 from typing import Any
 
-from dedup import _audit as audit
-from dedup import _cli_common as common
-from dedup import _dead_letters as dead_letters
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
-from dedup import _reconciliation as reconciliation
 from dedup import _report as report
-from dedup import _retention as retention
+from dedup.cli import _common as common
+from dedup.operations import _audit as audit
+from dedup.operations import _dead_letters as dead_letters
+from dedup.operations import _reconciliation as reconciliation
+from dedup.operations import _retention as retention
 
 
 async def _audit(args: argparse.Namespace) -> int:

@@ -29,9 +29,9 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _sql as sql
+from dedup.data import _db as db
+from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.migrations")
 

@@ -1,6 +1,6 @@
 """The idempotent Kafka consumer: its lifecycle and its fetch loop.
 
-- **assignment** (:mod:`dedup._partitions`): the rebalance listener takes the
+- **assignment** (:mod:`dedup.consumer._partitions`): the rebalance listener takes the
   assigned partitions in Postgres with fresh fencing tokens, seeks to the
   offsets stored there, and places each on one of ``concurrency`` lanes;
 - **fetching** (this module): the loop asks aiokafka for the partitions that
@@ -8,7 +8,7 @@
   with a turn's worth queued is left out of the fetch (paused when none wants
   more), so aiokafka's buffer holds the rest and fetching overlaps the
   transactions;
-- **applying** (:mod:`dedup._lanes`, :mod:`dedup._turn`): each lane takes what
+- **applying** (:mod:`dedup.consumer._lanes`, :mod:`dedup.consumer._turn`): each lane takes what
   its partitions fetched, up to ``batch_size``, and applies it in one
   transaction: one fence-and-claim statement for all of them, the handler,
   COMMIT; lanes run side by side, so a slow or hung handler holds up only its
@@ -25,9 +25,9 @@
   and takes the partition back from the offset the operator set.
 
 A fetch error means: a position outside the partition's log, resolved by
-:mod:`dedup._out_of_range`; a partition with no offset anywhere, started where
+:mod:`dedup.consumer._out_of_range`; a partition with no offset anywhere, started where
 ``auto_offset_reset`` says; a batch that cannot be decoded, whose readable
-records are applied before the consumer stops (:mod:`dedup._decoding`); a
+records are applied before the consumer stops (:mod:`dedup.consumer._decoding`); a
 retriable Kafka error, logged, and fetched again after :data:`RETRY_WAIT`.
 
 Shutdown is bounded: SIGTERM, SIGINT or :meth:`IdempotentConsumer.stop` let the
@@ -55,21 +55,21 @@ import aiokafka.errors
 from aiokafka.structs import TopicPartition
 
 from dedup import _config as config
-from dedup import _db as db
-from dedup import _decoding as decoding
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
 from dedup import _kafka_logs as kafka_logs
 from dedup import _leases as leases
 from dedup import _message as message_
-from dedup import _migrations as migrations
-from dedup import _out_of_range as out_of_range
-from dedup import _partitions as partitions
-from dedup import _rebalance as rebalance
-from dedup import _sql as sql
 from dedup import _store as store
-from dedup import _turn as turn
 from dedup import keys
+from dedup.consumer import _decoding as decoding
+from dedup.consumer import _out_of_range as out_of_range
+from dedup.consumer import _partitions as partitions
+from dedup.consumer import _rebalance as rebalance
+from dedup.consumer import _turn as turn
+from dedup.data import _db as db
+from dedup.data import _migrations as migrations
+from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.consumer")
 
@@ -303,7 +303,7 @@ class IdempotentConsumer:
         options = kafka_client.client_options(c.kafka_options)
         # aiokafka must say when a position is out of range, not jump silently:
         # dedup resets where nothing is stored, and records what an offset outside
-        # the log means (dedup._out_of_range).
+        # the log means (dedup.consumer._out_of_range).
         self._offset_reset = options.pop("auto_offset_reset", config.DEFAULT_AUTO_OFFSET_RESET)
         self._kafka = aiokafka.AIOKafkaConsumer(
             bootstrap_servers=c.bootstrap_servers,

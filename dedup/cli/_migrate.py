@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dedup import _cli_common as common
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _migrations as migrations
 from dedup import _report as report
-from dedup import _sql as sql
+from dedup.cli import _common as common
+from dedup.data import _db as db
+from dedup.data import _migrations as migrations
+from dedup.data import _sql as sql
 
 _COLUMNS = report.columns("component, version, name, status, applied_at")
 

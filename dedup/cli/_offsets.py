@@ -6,12 +6,12 @@ import argparse
 import sys
 from typing import Any
 
-from dedup import _cli_common as common
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
-from dedup import _offsets as offsets
 from dedup import _offsets_kafka as offsets_kafka
 from dedup import _report as report
+from dedup.cli import _common as common
+from dedup.operations import _offsets as offsets
 
 
 def _kafka(args: argparse.Namespace) -> offsets_kafka.Kafka:

@@ -39,13 +39,13 @@ from typing import Any
 
 import asyncpg
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _leases as leases
 from dedup import _report as report
-from dedup import _sql as sql
 from dedup import _telemetry as telemetry
+from dedup.data import _db as db
+from dedup.data import _events as events
+from dedup.data import _sql as sql
 
 ENTRY_POINT_GROUP = "dedup.reconcile"
 """Entry points of installed packages: name = task code, value = a ``RECONCILE`` declaration."""

@@ -1,4 +1,4 @@
-"""aiokafka's rebalance calls, handed to the consumer's partitions (:mod:`dedup._partitions`)."""
+"""aiokafka's rebalance calls, handed to the partitions (:mod:`dedup.consumer._partitions`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import aiokafka
 from aiokafka.structs import TopicPartition
 
-from dedup import _partitions as partitions
+from dedup.consumer import _partitions as partitions
 
 
 class Listener(aiokafka.ConsumerRebalanceListener):  # type: ignore[misc]

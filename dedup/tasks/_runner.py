@@ -30,16 +30,16 @@ from typing import Any
 import asyncpg
 from opentelemetry import trace
 
-from dedup import _db as db
 from dedup import _errors as errors
-from dedup import _events as events
 from dedup import _leases as leases
 from dedup import _limits as limits
-from dedup import _migrations as migrations
-from dedup import _sql as sql
-from dedup import _task_run as task_run
 from dedup import _telemetry as telemetry
-from dedup._task_run import TaskState
+from dedup.data import _db as db
+from dedup.data import _events as events
+from dedup.data import _migrations as migrations
+from dedup.data import _sql as sql
+from dedup.tasks import _run as task_run
+from dedup.tasks._run import TaskState
 
 log = logging.getLogger("dedup.tasks")
 
