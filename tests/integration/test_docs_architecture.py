@@ -27,8 +27,9 @@ def test_the_page_names_every_module_of_the_library() -> None:
 
 async def test_the_query_example_is_shipped_and_runs_as_written(pool: Any) -> None:
     blocks = docs_support.snippets(PAGE)
-    assert [lang for lang, _ in blocks] == ["text", "sql", "python"]
-    (_, query), (_, call) = blocks[1], blocks[2]
+    # The tree, the consumer in one picture, then the query and its call.
+    assert [lang for lang, _ in blocks] == ["text", "text", "sql", "python"]
+    (_, query), (_, call) = blocks[2], blocks[3]
     shipped = (ROOT / "sql" / "queries" / "consumer.sql").read_text(encoding="utf-8")
     assert query.strip() in shipped
 
