@@ -65,7 +65,7 @@ class Found:
     """What :func:`resolve` decided: the events to record, the partitions to hold."""
 
     events: list[events.Event] = field(default_factory=list)
-    held: dict[TopicPartition, int] = field(default_factory=dict)
+    beyond_end: dict[TopicPartition, int] = field(default_factory=dict)
     """Partitions beyond their log end, with the offset they stand at."""
 
 
@@ -77,7 +77,7 @@ class Owner:
     namespace: str
     holder: str
     tokens: Mapping[TopicPartition, int]
-    held: Mapping[TopicPartition, int]
+    beyond_end: Mapping[TopicPartition, int]
     """Partitions held already, beyond their log end at that offset."""
 
 
@@ -85,7 +85,7 @@ async def resolve(kafka: Any, positions: Mapping[TopicPartition, int], owner: Ow
     """Seek what retention passed to the log start; tell what lies beyond the log end."""
     found = Found()
     # A fetch in flight when a partition was held reports it again: known.
-    tps = [tp for tp in positions if tp in owner.tokens and owner.held.get(tp) != positions[tp]]
+    tps = [tp for tp in positions if tp in owner.tokens and owner.beyond_end.get(tp) != positions[tp]]
     if not tps:
         return found
     starts = await kafka.beginning_offsets(tps)
@@ -121,7 +121,7 @@ async def resolve(kafka: Any, positions: Mapping[TopicPartition, int], owner: Ow
                     owner.namespace,
                 )
             )
-            found.held[tp] = offset
+            found.beyond_end[tp] = offset
         else:
             kafka.seek(tp, offset)  # the log moved meanwhile: fetch from there again
     return found

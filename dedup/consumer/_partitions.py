@@ -317,7 +317,7 @@ class Partitions:
         tokens = {tp: p.token for tp, p in self.owned.items()}
         owner = out_of_range.Owner(s.group_id, s.namespace, s.holder, tokens, self.beyond_end)
         found = await out_of_range.resolve(self._kafka, positions, owner)
-        for tp, offset in found.held.items():
+        for tp, offset in found.beyond_end.items():
             self._kafka.pause(tp)
             self.beyond_end[tp] = offset
         if found.events:
