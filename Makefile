@@ -41,7 +41,7 @@ test: venv services lint
 	$(BIN)/pytest
 
 demo: venv services
-	$(BIN)/python -m consumers.demo
+	$(BIN)/python -m dedup_services.demo
 
 # The chaos suite's full matrix (tests/chaos, docs/reliability.md): 20-25 min on
 # its own Kafka and Postgres (.services/chaos; the failover scenarios add a

@@ -81,7 +81,7 @@ def _load_service(spec: str) -> Callable[[list[str]], Any]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    """run a service module, e.g. dedup run consumers.payments
+    """run a service module, e.g. dedup run dedup_services.payments
 
     Imports MODULE and calls its entry point with the arguments after it:
     `main(argv) -> int` (async or not), or the FUNCTION named. `dedup run MODULE --help`
@@ -102,7 +102,7 @@ def _add_run(sub: Any) -> None:
     p = common.command(sub, "run", _run)
     p.add_argument("--dsn", help="passed to the service as --dsn (it reads $DEDUP_DSN itself)")
     p.add_argument("--schema", help="passed to the service as --schema")
-    p.add_argument("service", metavar="MODULE[:FUNCTION]", help="e.g. consumers.payments")
+    p.add_argument("service", metavar="MODULE[:FUNCTION]", help="e.g. dedup_services.payments")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options")
 
 

@@ -22,7 +22,7 @@ Checks are registered by task code (:class:`Registry`):
   ``DEDUP_RECONCILE_MODULES`` (comma-separated);
 - an installed package declares an entry point in the ``dedup.reconcile`` group,
   named by the task code, pointing at such a declaration
-  (``statements = "consumers.statements:RECONCILE"``).
+  (``statements = "dedup_services.statements:RECONCILE"``).
 """
 
 from __future__ import annotations

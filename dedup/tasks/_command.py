@@ -1,7 +1,7 @@
 """``dedup task run`` as a function, for the CLI and for programs of their own.
 
 The command line (``dedup task run MODULE:FUNCTION``) and a service that runs a
-task itself (``dedup run consumers.statements``) share this path: the same
+task itself (``dedup run dedup_services.statements``) share this path: the same
 signals, the same outcome line, the same exit codes.
 """
 

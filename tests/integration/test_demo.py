@@ -18,11 +18,11 @@ import uuid
 from pathlib import Path
 
 import asyncpg
+import dedup_services.demo
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-import consumers.demo
 from dedup_dev import helpers
 from dedup_dev.services import ROOT, Services
 
@@ -54,7 +54,7 @@ def kafka_origin(services: Services) -> str:
 
 
 def demo(services: Services, *args: str) -> subprocess.CompletedProcess[str]:
-    return at_root(services, sys.executable, "-m", "consumers.demo", *args, timeout=240)
+    return at_root(services, sys.executable, "-m", "dedup_services.demo", *args, timeout=240)
 
 
 def sh(command: str, services: Services) -> subprocess.CompletedProcess[str]:
@@ -296,13 +296,13 @@ def test_demo_names_compose_local_up_when_it_started_the_services(
         "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:9092",
         "DEDUP_DSN": "postgresql://postgres@127.0.0.1:5432/postgres",
     }
-    assert consumers.demo.origins(env, {"KAFKA_BOOTSTRAP_SERVERS", "DEDUP_DSN"}) == [
+    assert dedup_services.demo.origins(env, {"KAFKA_BOOTSTRAP_SERVERS", "DEDUP_DSN"}) == [
         f"Kafka at 127.0.0.1:9092: started by compose/local/up (pid {os.getpid()}); "
         "it keeps running, compose/local/down stops it.",
         f"Postgres at 127.0.0.1:5432: started by compose/local/up (pid {os.getpid()}); "
         "it keeps running, compose/local/down stops it.",
     ]
     env["DEDUP_DSN"] = "postgresql://app@db.example:5433/app"
-    assert consumers.demo.origins(env, {"KAFKA_BOOTSTRAP_SERVERS"})[1] == (
+    assert dedup_services.demo.origins(env, {"KAFKA_BOOTSTRAP_SERVERS"})[1] == (
         "Postgres at db.example:5433: yours (DEDUP_DSN); the demo leaves it running."
     )

@@ -18,7 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from consumers import payments
+from dedup_services import payments
+
 from dedup_dev import docs as docs_support
 from dedup_dev import effects as consumer_support
 from dedup_dev import helpers

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from dedup_services import notifications, outbox, receiver, service
 
 import dedup
-from consumers import notifications, outbox, receiver, service
 from dedup_dev import docs as docs_support
 from dedup_dev import helpers
 from dedup_dev import service_process as service_support

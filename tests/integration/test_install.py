@@ -211,15 +211,15 @@ def test_sdist_holds_sql_at_its_root_and_builds_the_same_wheel(
     assert sorted(_names(rebuilt)) == sorted(_names(wheels.library))
 
 
-def test_services_wheel_holds_the_consumers_package_and_the_reconcile_checks(
+def test_services_wheel_holds_the_dedup_services_package_and_the_reconcile_checks(
     wheels: Wheels,
 ) -> None:
     names = _names(wheels.services)
     dist_info = f"dedup_kafka_services-{VERSION}.dist-info/"
-    assert {n.split("/")[0] + "/" for n in names} == {"consumers/", dist_info}
-    assert "consumers/payments.py" in names
-    assert "consumers/sql/payments/0001_payments.sql" in names
-    assert "consumers/pyproject.toml" not in names
+    assert {n.split("/")[0] + "/" for n in names} == {"dedup_services/", dist_info}
+    assert "dedup_services/payments.py" in names
+    assert "dedup_services/sql/payments/0001_payments.sql" in names
+    assert not any(n.endswith(("pyproject.toml", "README.md")) for n in names)
     with zipfile.ZipFile(wheels.services) as whl:
         entry_points = whl.read(f"{dist_info}entry_points.txt").decode()
         metadata = whl.read(f"{dist_info}METADATA").decode()
@@ -238,8 +238,8 @@ def test_installed_library_has_its_version_and_nothing_of_the_services(
     assert version == VERSION
     assert Path(location).is_relative_to(library_venv.path), "imported from the venv"
     assert library_venv.run("dedup", "reconcile", "--list").stdout == ""
-    no_services = library_venv.run("python", "-c", "import consumers", check=False)
-    assert "No module named 'consumers'" in no_services.stderr
+    no_services = library_venv.run("python", "-c", "import dedup_services", check=False)
+    assert "No module named 'dedup_services'" in no_services.stderr
 
 
 async def test_migrate_from_the_wheel_makes_what_migrate_from_the_checkout_makes(
@@ -365,9 +365,9 @@ def test_services_install_from_a_checkout_with_their_reconcile_checks(
         "payments",
         "statements",
     ]
-    shown = both.run("dedup", "run", "consumers.payments", "--help")
+    shown = both.run("dedup", "run", "dedup_services.payments", "--help")
     assert "--migrate-only" in shown.stdout
-    located = both.run("python", "-c", "import consumers; print(consumers.__file__)")
+    located = both.run("python", "-c", "import dedup_services; print(dedup_services.__file__)")
     assert Path(located.stdout.strip()).is_relative_to(both.path), "installed, not the checkout"
 
 

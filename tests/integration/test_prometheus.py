@@ -1,7 +1,7 @@
 """Every panel of the Grafana dashboard answers from a real Prometheus scraping a bundled service.
 
 Debian's ``prometheus`` (``compose/local/prometheus`` installs it) scrapes
-``dedup run consumers.payments --metrics-port N`` four times a second while the test
+``dedup run dedup_services.payments --metrics-port N`` four times a second while the test
 sends payments with replays, conflicting copies, malformed ones and one that
 an account's newer fence refuses.  Then each target of each panel of
 ``compose/grafana/dashboards/dedup.json`` is evaluated through Prometheus's
@@ -64,7 +64,7 @@ def dashboard_section() -> str:
 def documented_command(port: int) -> list[str]:
     """docs/operations.md's command that serves a service's metrics, on ``port``."""
     [(language, command), _] = docs_support.checked_snippets(PAGE.name, dashboard_section())
-    assert language == "sh" and command.startswith("dedup run consumers.payments "), command
+    assert language == "sh" and command.startswith("dedup run dedup_services.payments "), command
     words = command.split()
     assert words[-2:] == ["--metrics-port", "9464"], command
     return [*words[1:-1], str(port)]

@@ -16,11 +16,11 @@ from typing import Any
 
 import orjson
 import pytest
+from dedup_services import payments, statements
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from consumers import payments, statements
 from dedup.cli import _main as cli
 from dedup.operations import _reconciliation as reconciliation
 from dedup_dev import service_process as service_support

@@ -223,7 +223,7 @@ COMMANDS = [
     ["offsets", "show", "--bootstrap-servers", ""],
     ["reconcile", "--task", "payments", "--date", "2026-11-30"],
     ["task", "run", "tests.integration.test_secrets:job", "--task", "secrets", "--key", "k"],
-    ["run", "consumers.payments", "--migrate-only"],
+    ["run", "dedup_services.payments", "--migrate-only"],
 ]
 
 

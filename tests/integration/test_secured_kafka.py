@@ -103,7 +103,7 @@ async def test_a_bundled_service_runs_through_sasl_ssl(
     bootstrap = secured.pop("KAFKA_BOOTSTRAP_SERVERS")
     env = service_support.environment(dsn, bootstrap, COUPONS_TOPIC=topic, **secured)
     request = {"request_id": "r1", "user_id": "u1", "campaign": "bf", "value": 5}
-    async with service_support.child("run", "consumers.coupons", env=env) as service:
+    async with service_support.child("run", "dedup_services.coupons", env=env) as service:
         await produce(secured_kafka, topic, [(b"u1", orjson.dumps(request))] * 2)
 
         async def applied() -> bool:
@@ -115,7 +115,7 @@ async def test_a_bundled_service_runs_through_sasl_ssl(
         assert await service.stop(signal.SIGTERM) == 0, await service.stderr()
 
     env["KAFKA_SASL_PLAIN_PASSWORD"] = WRONG_PASSWORD
-    code, _, err = await service_support.run("run", "consumers.coupons", env=env)
+    code, _, err = await service_support.run("run", "dedup_services.coupons", env=env)
     assert code != 0
     assert listener(secured_kafka) in err and "sasl_plain_password" in err, err
     assert WRONG_PASSWORD not in err
@@ -196,10 +196,10 @@ async def test_offsets_show_and_skip_through_sasl_ssl(
 
 
 def demo(secured: SecuredKafka, dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m consumers.demo ARGS`` with only the secured listener's settings for Kafka."""
+    """``python -m dedup_services.demo ARGS``, with only the secured listener's Kafka settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEDUP_", "KAFKA_"))}
     env |= {"DEDUP_DSN": dsn, **secured.environ()}
-    argv = (sys.executable, "-m", "consumers.demo", *args)
+    argv = (sys.executable, "-m", "dedup_services.demo", *args)
     return subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
     )

@@ -1,4 +1,4 @@
-"""consumers.coupons against real Kafka and Postgres: one coupon per (user, campaign).
+"""dedup_services.coupons against real Kafka and Postgres: one coupon per (user, campaign).
 
 The idempotency key stops redelivered and replayed requests; the business
 unique constraint stops a second request for the same coupon under a new id.
@@ -10,9 +10,9 @@ import signal
 from typing import Any
 
 import orjson
+from dedup_services import coupons
 
 import dedup
-from consumers import coupons
 from dedup_dev import effects as consumer_support
 from dedup_dev import helpers
 from dedup_dev import service_process as service_support
@@ -93,7 +93,7 @@ async def test_dedup_run_consumers_coupons(
 ) -> None:
     topic = await topics.create()
     env = service_support.environment(dsn, bootstrap_servers, COUPONS_TOPIC=topic)
-    async with service_support.child("run", "consumers.coupons", env=env) as service:
+    async with service_support.child("run", "dedup_services.coupons", env=env) as service:
         await helpers.produce(
             bootstrap_servers,
             topic,

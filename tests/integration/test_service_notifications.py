@@ -1,4 +1,4 @@
-"""consumers.notifications, the outbox dispatcher and the receiver: each notification once.
+"""dedup_services.notifications, the outbox dispatcher and the receiver: each notification once.
 
 The receiver's ``receiver.notifications`` table is the end-to-end effect: one
 row per notification, however many copies Kafka delivered, however many
@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from dedup_services import notifications, outbox, receiver, service
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from consumers import notifications, outbox, receiver, service
 from dedup_dev import effects as consumer_support
 from dedup_dev import helpers
 from dedup_dev import service_process as service_support
@@ -122,7 +122,9 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
     env = service_support.environment(dsn, bootstrap_servers, NOTIFICATIONS_TOPIC=topic)
     async with receiver.Receiver(pool) as downstream:
         # The consumer, as a service: it fills the outbox.
-        async with service_support.child("run", "consumers.notifications", env=env) as consumer:
+        async with service_support.child(
+            "run", "dedup_services.notifications", env=env
+        ) as consumer:
             await service_support.produce_events(
                 bootstrap_servers, topic, STREAM + STREAM, key="notification_id"
             )
@@ -132,7 +134,7 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
         # A dispatcher sends one row, then hangs before marking it: kill it there.
         hold = {notifications.HOLD_AFTER_SEND: "1"}
         dispatcher_args = (
-            *("run", "consumers.notifications", "--dispatcher", "--dispatch-batch", "1"),
+            *("run", "dedup_services.notifications", "--dispatcher", "--dispatch-batch", "1"),
             *("--receiver-url", downstream.url, "--claim-ttl", "1", "--timeout", "0.5"),
         )
         async with service_support.child(*dispatcher_args, env={**env, **hold}) as doomed:

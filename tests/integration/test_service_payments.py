@@ -1,7 +1,7 @@
-"""consumers.payments against real Kafka and Postgres: each payment deducts once, or is rejected.
+"""dedup_services.payments on real Kafka and Postgres: each payment deducts once, or is rejected.
 
 In process for the duplicates, the replays and the fence; once as
-``dedup run consumers.payments`` with the console span exporter.
+``dedup run dedup_services.payments`` with the console span exporter.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import orjson
 import pytest
+from dedup_services import payments
 
 import dedup
-from consumers import payments
 from dedup_dev import effects as consumer_support
 from dedup_dev import helpers
 from dedup_dev import service_process as service_support
@@ -175,7 +175,7 @@ async def test_dedup_run_consumers_payments(
         OTEL_TRACES_EXPORTER="console",
         OTEL_SERVICE_NAME="payments-under-test",
     )
-    async with service_support.child("run", "consumers.payments", env=env) as service:
+    async with service_support.child("run", "dedup_services.payments", env=env) as service:
         # It applies its migration at start; then the account can be opened.
         await helpers.wait_for(
             lambda: pool.fetchval("SELECT to_regclass('payments.accounts') IS NOT NULL"),
@@ -204,7 +204,7 @@ async def test_dedup_run_consumers_payments(
 
 async def test_dedup_run_help_names_flags_and_variables() -> None:
     code, out, _ = await service_support.run(
-        "run", "consumers.payments", "--help", env=service_support.environment("")
+        "run", "dedup_services.payments", "--help", env=service_support.environment("")
     )
     assert code == 0
     for text in ("--topic", "$PAYMENTS_TOPIC", "$KAFKA_BOOTSTRAP_SERVERS", "OTEL_TRACES_EXPORTER"):

@@ -1,8 +1,8 @@
-"""consumers.statements: one statement per account and business date, however often it is fired.
+"""dedup_services.statements: one statement per account and business date, however often fired.
 
 Runners race in process, then as the same cron line on four "machines"
-(``dedup task run consumers.statements:job`` three times and ``dedup run
-consumers.statements`` once, at the same moment).
+(``dedup task run dedup_services.statements:job`` three times and ``dedup run
+dedup_services.statements`` once, at the same moment).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import datetime as dt
 from typing import Any
 
 import pytest
+from dedup_services import service, statements
 
 import dedup
-from consumers import service, statements
 from dedup_dev import service_process as service_support
 
 DAY = "2026-11-30"
@@ -87,10 +87,18 @@ async def test_a_superseded_run_cannot_overwrite_the_statements(pool: Any) -> No
 async def test_the_same_cron_line_on_four_machines_runs_once(dsn: str, pool: Any) -> None:
     await ledger(pool)
     env = service_support.environment(dsn)
-    task_run = ("task", "run", "consumers.statements:job", "--task", "statements", "--key", DAY)
+    task_run = (
+        "task",
+        "run",
+        "dedup_services.statements:job",
+        "--task",
+        "statements",
+        "--key",
+        DAY,
+    )
     fired = await asyncio.gather(
         *(service_support.run(*task_run, env=env) for _ in range(3)),
-        service_support.run("run", "consumers.statements", "--date", DAY, env=env),
+        service_support.run("run", "dedup_services.statements", "--date", DAY, env=env),
     )
     codes = sorted(code for code, _, _ in fired)
     assert codes[0] == 0 and set(codes[1:]) <= {3, 4}, fired

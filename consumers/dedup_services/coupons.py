@@ -27,7 +27,7 @@ import secrets
 import sys
 
 import dedup
-from consumers import service
+from dedup_services import service
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ SERVICE = service.ConsumerService(
 
 
 async def main(argv: list[str]) -> int:
-    """``dedup run consumers.coupons [options]``; ``--help`` lists them."""
+    """``dedup run dedup_services.coupons [options]``; ``--help`` lists them."""
     return await SERVICE.main(argv)
 
 

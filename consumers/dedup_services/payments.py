@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 
 import dedup
-from consumers import service
+from dedup_services import service
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ SERVICE = service.ConsumerService(
 
 
 async def main(argv: list[str]) -> int:
-    """``dedup run consumers.payments [options]``; ``--help`` lists them."""
+    """``dedup run dedup_services.payments [options]``; ``--help`` lists them."""
     return await SERVICE.main(argv)
 
 

@@ -7,9 +7,9 @@ first of D's month to D: applied and rejected counts and the applied total.
 It is a run-once task (task code ``statements``, business key D).  Put the same
 line in cron on every machine::
 
-    dedup task run consumers.statements:job --task statements --key 2026-11-30
+    dedup task run dedup_services.statements:job --task statements --key 2026-11-30
 
-or ``dedup run consumers.statements --date 2026-11-30``, which runs the same
+or ``dedup run dedup_services.statements --date 2026-11-30``, which runs the same
 job and also applies the migrations and installs the OpenTelemetry SDK.  The
 first runner takes the lease and writes; the others exit 4 (running
 elsewhere) or 3 (already done).  Exit codes are those of ``dedup task run``.
@@ -30,7 +30,7 @@ import sys
 import asyncpg
 
 import dedup
-from consumers import service
+from dedup_services import service
 
 TASK = "statements"
 
@@ -87,7 +87,7 @@ async def write_statements(
 
 
 async def job(run: dedup.TaskRun) -> dict[str, int]:
-    """The task: ``dedup task run consumers.statements:job --task statements --key DATE``."""
+    """The task: ``dedup task run dedup_services.statements:job --task statements --key DATE``."""
     try:
         day = dt.date.fromisoformat(run.business_key)
     except ValueError as exc:
@@ -98,7 +98,7 @@ async def job(run: dedup.TaskRun) -> dict[str, int]:
             await run.complete(conn, result)
     except asyncpg.UndefinedTableError as exc:
         raise RuntimeError(
-            f"{exc}: apply the migrations first: dedup run consumers.statements --migrate-only"
+            f"{exc}: apply the migrations first: dedup run dedup_services.statements --migrate-only"
         ) from exc
     return result
 
@@ -111,7 +111,7 @@ def _day(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The flags of ``dedup run consumers.statements``."""
+    """The flags of ``dedup run dedup_services.statements``."""
     p = service.parser(TASK, __doc__ or "")
     group = p.add_argument_group("task")
     group.add_argument("--date", type=_day, help="the business date (the task's key), YYYY-MM-DD")
@@ -125,14 +125,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def main(argv: list[str]) -> int:
-    """``dedup run consumers.statements --date YYYY-MM-DD [options]``."""
+    """``dedup run dedup_services.statements --date YYYY-MM-DD [options]``."""
     args = parser().parse_args(argv)
     if args.date is None and not args.migrate_only:
         raise dedup.ConfigurationError("--date YYYY-MM-DD is required")
     async with service.started(args, TASK, ("payments", TASK)) as go_on:
         if not go_on:
             return 0
-        # Exactly what `dedup task run consumers.statements:job` does from here on.
+        # Exactly what `dedup task run dedup_services.statements:job` does from here on.
         options = {
             o: getattr(args, o) for o in ("dsn", "schema", "holder", "max_attempts", "force")
         }

@@ -2,7 +2,7 @@
 
 Each option is a flag that can also come from an environment variable (the
 flag wins); ``--help`` names both.  At start a service applies dedup's
-migrations and its own (``consumers/sql/<component>/``, recorded in dedup's
+migrations and its own (``consumers/dedup_services/sql/<component>/``, recorded in dedup's
 ``migrations`` table under the component's name), unless ``--no-migrate``;
 ``--migrate-only`` applies them and exits.  Services use ``dedup``'s public API
 only.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import dedup
-from consumers import otel
+from dedup_services import otel
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def parser(name: str, description: str, *, dedup_tables: bool = True) -> argpars
     receiver): its migrations are then recorded in its own schema.
     """
     p = argparse.ArgumentParser(
-        prog=f"dedup run consumers.{name}",
+        prog=f"dedup run dedup_services.{name}",
         description=description,
         epilog=TELEMETRY_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -289,7 +289,7 @@ class ConsumerService:
     key: Any
     """The idempotency key strategy."""
     components: tuple[str, ...]
-    """Migrations to apply, in order (consumers/sql/<component>/)."""
+    """Migrations to apply, in order (consumers/dedup_services/sql/<component>/)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """More dedup.IdempotentConsumer options."""
 
@@ -352,5 +352,5 @@ class ConsumerService:
         return 0
 
     async def main(self, argv: Sequence[str]) -> int:
-        """``dedup run consumers.<name> [options]``."""
+        """``dedup run dedup_services.<name> [options]``."""
         return await self.run(self.parser().parse_args(list(argv)))

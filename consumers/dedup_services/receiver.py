@@ -31,10 +31,10 @@ import asyncpg
 import orjson
 from opentelemetry import propagate, trace
 
-from consumers import service
+from dedup_services import service
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("consumers.receiver")
+tracer = trace.get_tracer("dedup_services.receiver")
 
 PATH = "/notifications"
 MAX_BODY = 1 << 20
@@ -218,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def main(argv: list[str]) -> int:
-    """``dedup run consumers.receiver [options]``: serve until SIGTERM or SIGINT."""
+    """``dedup run dedup_services.receiver [options]``: serve until SIGTERM or SIGINT."""
     args = parser().parse_args(argv)
     async with service.started(args, "receiver", ("receiver",)) as go_on:
         if not go_on:

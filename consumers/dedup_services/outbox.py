@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-tracer = trace.get_tracer("consumers.outbox")
-deliveries = metrics.get_meter("consumers.outbox").create_counter(
+tracer = trace.get_tracer("dedup_services.outbox")
+deliveries = metrics.get_meter("dedup_services.outbox").create_counter(
     "outbox.deliveries", unit="{notification}", description="outbox sends, by outcome"
 )
 

@@ -15,10 +15,10 @@ Two processes, each started as many times as you like:
 - the dispatcher (``--dispatcher``) claims due outbox rows (FOR UPDATE SKIP
   LOCKED), POSTs each to ``--receiver-url`` with its ``Idempotency-Key`` and
   ``X-Fencing-Token`` (the claim's token), retries failures with exponential
-  backoff and marks rows sent (see consumers/outbox.py).
+  backoff and marks rows sent (see consumers/dedup_services/outbox.py).
 
 The receiver must handle a key once and refuse a token lower than one it saw
-for that key; ``dedup run consumers.receiver`` is one that does.
+for that key; ``dedup run dedup_services.receiver`` is one that does.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import sys
 
 import dedup
-from consumers import outbox, service
+from dedup_services import outbox, service
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ async def _hold(delivery: outbox.Delivery, status: int) -> None:
 
 
 async def main(argv: list[str]) -> int:
-    """``dedup run consumers.notifications [--dispatcher] [options]``; ``--help`` lists them."""
+    """``dedup run dedup_services.notifications [--dispatcher] [options]``: see ``--help``."""
     args = parser().parse_args(argv)
     if args.dispatcher:
         return await dispatch(args)

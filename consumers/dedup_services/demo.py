@@ -1,7 +1,7 @@
 """``make demo``: every bundled service under duplicates, a replay, a poison message and a crash.
 
-    python -m consumers.demo [--payments N] [--coupons N] [--notifications N] [--database NAME]
-    python -m consumers.demo --drop RUN
+    python -m dedup_services.demo [--payments N] [--coupons N] [--notifications N] [--database NAME]
+    python -m dedup_services.demo --drop RUN
 
 On the Kafka and Postgres of ``KAFKA_BOOTSTRAP_SERVERS`` and ``DEDUP_DSN``
 (else ``.services/env``, written by ``compose/local/up``; a secured cluster's
@@ -508,7 +508,7 @@ async def main(args: argparse.Namespace, env: dict[str, str], from_file: set[str
             f"Database {made.database} and the topics of run {run_id} stay for a look"
             f"{'' if ok else ' at what went wrong'}; remove them, and only them, with:"
         )
-        say(f"  {command('python')} -m consumers.demo --drop {run_id}")
+        say(f"  {command('python')} -m dedup_services.demo --drop {run_id}")
         for line in origins(env, from_file):
             say(line)
     return 0 if ok else 1
@@ -602,7 +602,7 @@ async def migrate(env: dict[str, str]) -> None:
     """dedup's tables and every service's, all services at once."""
     migrations = await asyncio.gather(
         *(
-            run_cli(env, "run", f"consumers.{name}", "--migrate-only")
+            run_cli(env, "run", f"dedup_services.{name}", "--migrate-only")
             for name in (*SERVICES, "statements", "receiver")
         )
     )
@@ -621,13 +621,15 @@ async def seed_accounts(pool: asyncpg.Pool, plan: Plan) -> None:
 async def start_services(procs: Processes) -> None:
     """The receiver, two instances of each consumer, and two outbox dispatchers."""
     port = free_port()
-    await procs.start("receiver", "run", "consumers.receiver", "--no-migrate", "--port", str(port))
+    await procs.start(
+        "receiver", "run", "dedup_services.receiver", "--no-migrate", "--port", str(port)
+    )
     for name in SERVICES:
         for i in (1, 2):
             await procs.start(
                 f"{name}-{i}",
                 "run",
-                f"consumers.{name}",
+                f"dedup_services.{name}",
                 "--no-migrate",
                 "--holder",
                 f"demo-{name}-{i}",
@@ -637,7 +639,7 @@ async def start_services(procs: Processes) -> None:
         await procs.start(
             f"dispatcher-{i}",
             "run",
-            "consumers.notifications",
+            "dedup_services.notifications",
             "--no-migrate",
             "--dispatcher",
             "--receiver-url",
@@ -675,7 +677,7 @@ async def race_statement_runners(env: dict[str, str]) -> list[int]:
                 env,
                 "task",
                 "run",
-                "consumers.statements:job",
+                "dedup_services.statements:job",
                 "--task",
                 "statements",
                 "--key",
@@ -915,7 +917,7 @@ def table(
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m consumers.demo",
+        prog="python -m dedup_services.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
