@@ -85,7 +85,9 @@ async def resolve(kafka: Any, positions: Mapping[TopicPartition, int], owner: Ow
     """Seek what retention passed to the log start; tell what lies beyond the log end."""
     found = Found()
     # A fetch in flight when a partition was held reports it again: known.
-    tps = [tp for tp in positions if tp in owner.tokens and owner.beyond_end.get(tp) != positions[tp]]
+    tps = [
+        tp for tp in positions if tp in owner.tokens and owner.beyond_end.get(tp) != positions[tp]
+    ]
     if not tps:
         return found
     starts = await kafka.beginning_offsets(tps)
