@@ -33,6 +33,7 @@ from dedup.operations._reconciliation import ReconcileReport, reconcile
 from dedup.tasks._command import run_task
 from dedup.tasks._run import TaskOutcome, TaskRun, TaskState
 from dedup.tasks._runner import TaskRunner
+from dedup.tasks._scheduler import Schedule, Scheduler
 
 # Installed as dedup-kafka (`dedup` on PyPI is another project), imported as dedup.
 _DISTRIBUTION = "dedup-kafka"
@@ -61,6 +62,8 @@ __all__ = [
     "Outcome",
     "ReconcileCheck",
     "ReconcileReport",
+    "Schedule",
+    "Scheduler",
     "ServiceUnavailableError",
     "StaleTokenError",
     "TaskOutcome",

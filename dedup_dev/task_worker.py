@@ -36,8 +36,17 @@ def shift_clock(seconds: float) -> None:
     offset = dt.timedelta(seconds=seconds)
     real_time, real_time_ns = time.time, time.time_ns
 
-    # Empty __slots__ keep the instance layout C extensions (asyncpg) check.
-    class ShiftedDatetime(dt.datetime):
+    # Empty __slots__ keep the instance layout C extensions (asyncpg) check.  A
+    # shifted datetime is a shifted date too, as a datetime is a date: libraries
+    # that test isinstance(x, datetime.date) after the swap (dateutil) accept it.
+    class ShiftedDate(dt.date):
+        __slots__ = ()
+
+        @classmethod
+        def today(cls) -> Any:
+            return ShiftedDatetime.now().date()
+
+    class ShiftedDatetime(dt.datetime, ShiftedDate):
         __slots__ = ()
 
         @classmethod
@@ -51,13 +60,6 @@ def shift_clock(seconds: float) -> None:
         @classmethod
         def today(cls) -> Any:
             return cls.now()
-
-    class ShiftedDate(dt.date):
-        __slots__ = ()
-
-        @classmethod
-        def today(cls) -> Any:
-            return ShiftedDatetime.now().date()
 
     time.time = lambda: real_time() + seconds
     time.time_ns = lambda: real_time_ns() + int(seconds * 1e9)

@@ -6,8 +6,8 @@ found a problem (a mismatch, a failed task), 2 bad usage or configuration;
 ``task run`` adds 3 (skipped: already succeeded) and 4 (skipped: running elsewhere).
 
 The other commands live beside it: ``cli._migrate`` (migrate), ``cli._audit``
-(audit, events, dead-letters, purge, reconcile), ``cli._offsets`` (offsets);
-what they share is in ``cli._common``.
+(audit, events, dead-letters, purge, reconcile), ``cli._offsets`` (offsets),
+``cli._schedule`` (schedule); what they share is in ``cli._common``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dedup.cli import _audit as cli_audit
 from dedup.cli import _common as common
 from dedup.cli import _migrate as cli_migrate
 from dedup.cli import _offsets as cli_offsets
+from dedup.cli import _schedule as cli_schedule
 from dedup.tasks import _command as task_command
 from dedup.tasks import _runner as tasks
 
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         cli_offsets.add_offsets,
     ):
         add(sub)
+    cli_schedule.add_schedule(sub)
     _add_run(sub)
     cli_audit.add_reconcile(sub)
     return parser

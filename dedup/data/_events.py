@@ -23,7 +23,8 @@ class Event:
     """One transition."""
 
     subject: str
-    """What the event is about: ``message``, ``partition``, ``lease``, ``task``, ``reconcile``."""
+    """What the event is about: ``message``, ``partition``, ``lease``, ``task``, ``schedule``,
+    ``reconcile``."""
     kind: str
     """The transition: ``duplicate``, ``conflict``, ``task_started``, ... (no ``dedup.`` prefix)."""
     namespace: str | None = None

@@ -403,11 +403,16 @@ class TaskRunner:
         return run.outcome("failed", None, str(error))
 
 
-def _check_run(task: str, business_key: str, lease_ttl: float) -> None:
+def check_task(task: str) -> None:
+    """Refuse a task code that can't name a lease resource."""
     limits.check_text("task", task, limits.MAX_NAME_BYTES)
     if ":" in task:
         # The lease resource is task:<task>:<business key>: a ':' would make two tasks share one.
         raise errors.ConfigurationError(f"invalid task code {task!r}: it can't contain ':'")
+
+
+def _check_run(task: str, business_key: str, lease_ttl: float) -> None:
+    check_task(task)
     limits.check_text("business_key", business_key, limits.MAX_BUSINESS_KEY_BYTES)
     limits.check_number(
         "lease_ttl", lease_ttl, MIN_TASK_LEASE_TTL, limits.MAX_LEASE_TTL, whole=False

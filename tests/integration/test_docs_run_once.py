@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from dedup_dev import helpers
 from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "run-once.md"
@@ -78,8 +80,14 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "python",
         "sql",
         "python",
+        "sh",
+        "sh",
+        "python",
+        "sql",
     ]
-    table, job, cron, shell, rerun, queries, downstream = (text for _, text in blocks)
+    texts = [text for _, text in blocks]
+    table, job, cron, shell, rerun, queries, downstream = texts[:7]
+    schedule, scheduler, embedded, schedule_events = texts[7:]
 
     # 1. The table.
     await pool.execute(table)
@@ -145,3 +153,66 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "SELECT total, fence_token FROM statements WHERE business_date = $1 AND account = 'acme'",
         day,
     ) == (122, 3)
+
+    # 8. The schedule and its backfill: the 29th and 30th run, the 31st was done.
+    code, out, err = await sh(schedule, cwd=billing, env=env)
+    assert code == 0, err
+    assert out.splitlines()[0] == "schedule statements: added"
+    assert [line.split()[4] for line in out.splitlines()[1:]] == [
+        "succeeded",
+        "succeeded",
+        "skipped_done",
+    ]
+    again = await sh(schedule, cwd=billing, env=env)
+    assert again[0] == 0, again
+    assert again[1].splitlines()[0] == "schedule statements: unchanged"
+    assert [line.split()[4] for line in again[1].splitlines()[1:]] == ["skipped_done"] * 3
+    days = await pool.fetch("SELECT DISTINCT business_date FROM statements ORDER BY business_date")
+    assert [d["business_date"] for d in days][:3] == [dt.date(2024, 5, d) for d in (29, 30, 31)]
+
+    # 9. The scheduler, on three machines and embedded; each stops on SIGTERM.
+    connected = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'dedup'"
+    before = await pool.fetchval(connected)
+    started = [
+        await asyncio.create_subprocess_exec(
+            "/bin/sh",
+            "-c",
+            f"exec {scheduler.strip()}",
+            cwd=billing,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
+    started.append(
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            embedded,
+            cwd=billing,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    )
+
+    async def all_polling() -> bool:
+        for proc in started:
+            assert proc.returncode is None, await proc.communicate()
+        # Each scheduler keeps a connection open for its rounds.
+        return bool(await pool.fetchval(connected) >= before + 4)
+
+    await helpers.wait_for(all_polling, within=30, what="the schedulers connected")
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+    ended = [await asyncio.wait_for(proc.communicate(), 30) for proc in started]
+    assert [proc.returncode for proc in started] == [0, 0, 0, 0], ended
+
+    # 10. The schedule's story.
+    story = await pool.fetch(schedule_events)
+    assert [e["kind"] for e in story] == [
+        "schedule_added",
+        "schedule_backfill",
+        "schedule_backfill",
+    ]
