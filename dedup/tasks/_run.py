@@ -20,6 +20,7 @@ import orjson
 
 from dedup import _errors as errors
 from dedup import _leases as leases
+from dedup import _limits as limits
 from dedup.data import _db as db
 from dedup.data import _events as events
 from dedup.data import _sql as sql
@@ -186,6 +187,45 @@ class TaskRun:
             ],
         )
 
+    @contextlib.asynccontextmanager
+    async def step(self, name: str) -> AsyncIterator[Step]:
+        """One step of the job, done once across reruns of the task.
+
+        ``async with run.step("batch-7") as step:`` then, unless ``step.done``
+        (an earlier run completed it: skip the body), write through
+        ``step.conn``: a connection in the step's own transaction, which
+        commits with the step's completion record, fenced, when the block ends
+        without an error.  For a call outside Postgres, send ``step.key`` and
+        ``step.token`` along, so the receiver applies it once and refuses a
+        stale run.
+        """
+        limits.check_text("step", name, limits.MAX_NAME_BYTES)
+        keys = {"task": self.task, "business_key": self.business_key, "step": name}
+        key = f"{self.task}:{self.business_key}:{name}"
+        async with self.pool.acquire() as conn:
+            done = await self._q.step_get.fetchrow(conn, **keys)
+            if done is not None:
+                skipped = event(
+                    self, "task_step_skipped", None, None, step=name, done_by_token=done["token"]
+                )
+                async with db.transaction(conn, self.lease_book.transaction_settings):
+                    await events.record(conn, self.lease_book.schema, [skipped])
+                yield Step(name, key, self.token, done=True, conn=None)
+                return
+            async with db.transaction(conn, self.lease_book.transaction_settings):
+                yield Step(name, key, self.token, done=False, conn=conn)
+                completed = await self._q.step_complete.fetchval(
+                    conn, **keys, holder=self.holder, token=self.token, attempt=self.attempt
+                )
+                await self.fence(conn)
+                if completed is None:  # the fence held: this very run completed it meanwhile
+                    raise errors.ConfigurationError(
+                        f"step {name!r} of task {self.task} {self.business_key} ran twice at "
+                        "once in one run: give each step its own name"
+                    )
+                done_event = event(self, "task_step_done", None, None, step=name)
+                await events.record(conn, self.lease_book.schema, [done_event])
+
     async def write_fenced(
         self,
         conn: asyncpg.Connection,
@@ -201,6 +241,22 @@ class TaskRun:
         await leases.fenced_upsert(
             conn, table, key, values, token=self.token, resource=self.resource
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """A step of a job (:meth:`TaskRun.step`)."""
+
+    name: str
+    """The step's name, unique within the job."""
+    key: str
+    """``<task>:<business key>:<step>``: the idempotency key to send with an external call."""
+    token: int
+    """The run's fencing token, to send with it."""
+    done: bool
+    """An earlier run of the task completed this step: skip its body."""
+    conn: asyncpg.Connection | None
+    """A connection in the step's transaction (None when ``done``)."""
 
 
 Job = Callable[[TaskRun], Awaitable[object]]

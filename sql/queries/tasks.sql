@@ -45,3 +45,16 @@ SELECT task, business_key, state, attempts, holder, token, forced, started_at, f
   FROM {schema}.tasks
  WHERE task = :task AND business_key = :business_key
    FOR UPDATE
+
+-- name: step_get
+-- A step completed by an earlier run of the task (TaskRun.step).
+SELECT holder, token, attempt, completed_at
+  FROM {schema}.task_steps
+ WHERE task = :task AND business_key = :business_key AND step = :step
+
+-- name: step_complete
+-- In the step's own transaction, with its writes; nothing when it completed already.
+INSERT INTO {schema}.task_steps (task, business_key, step, holder, token, attempt)
+VALUES (:task, :business_key, :step, :holder, :token, :attempt)
+ON CONFLICT (task, business_key, step) DO NOTHING
+RETURNING completed_at

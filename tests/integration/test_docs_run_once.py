@@ -84,10 +84,14 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "sh",
         "python",
         "sql",
+        "python",
+        "sh",
+        "sql",
     ]
     texts = [text for _, text in blocks]
     table, job, cron, shell, rerun, queries, downstream = texts[:7]
-    schedule, scheduler, embedded, schedule_events = texts[7:]
+    schedule, scheduler, embedded, schedule_events = texts[7:11]
+    batch_job, batch_run, step_events = texts[11:]
 
     # 1. The table.
     await pool.execute(table)
@@ -200,8 +204,8 @@ async def test_every_snippet_of_the_run_once_howto_works(
     async def all_polling() -> bool:
         for proc in started:
             assert proc.returncode is None, await proc.communicate()
-        # Each scheduler keeps a connection open for its rounds.
-        return bool(await pool.fetchval(connected) >= before + 4)
+        # Each scheduler, once running, holds two connections: its rounds' and its runner's.
+        return bool(await pool.fetchval(connected) >= before + 8)
 
     await helpers.wait_for(all_polling, within=30, what="the schedulers connected")
     for proc in started:
@@ -216,3 +220,43 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "schedule_backfill",
         "schedule_backfill",
     ]
+
+    # 11. The job in steps fails at its third batch; the rerun sends batches 3-5 only.
+    assert batch_job.startswith("# batchjobs.py\n")
+    (billing / "batchjobs.py").write_text(batch_job)
+    await pool.execute(REFUSE_ACCT_101)
+    failed = await sh(batch_run, cwd=billing, env=env)
+    assert failed[0] == 1 and "refused acct-101" in failed[2], failed
+    await pool.execute("DROP TRIGGER refuse_acct_101 ON statements")
+    rerun_done = await sh(batch_run, cwd=billing, env=env)
+    assert rerun_done[0] == 0 and "succeeded (token 2" in rerun_done[1], rerun_done
+    steps = [tuple(r) for r in await pool.fetch(step_events)]
+    assert steps == [
+        ("task_step_done", 1, "accounts-0"),
+        ("task_step_done", 1, "accounts-50"),
+        ("task_step_skipped", 2, "accounts-0"),
+        ("task_step_skipped", 2, "accounts-50"),
+        ("task_step_done", 2, "accounts-100"),
+        ("task_step_done", 2, "accounts-150"),
+        ("task_step_done", 2, "accounts-200"),
+    ]
+    sent = await pool.fetch(
+        "SELECT fence_token, count(*) FROM statements WHERE business_date = '2024-06-30'"
+        " GROUP BY fence_token ORDER BY fence_token"
+    )
+    assert [tuple(r) for r in sent] == [(1, 100), (2, 150)]  # each account once
+    result = await pool.fetchval(
+        "SELECT result FROM dedup.tasks WHERE task = 'statements' AND business_key = '2024-06-30'"
+    )
+    assert result == {"batches_sent": 3}
+
+
+# The downstream failure of section 8's first run: the third batch's first account.
+REFUSE_ACCT_101 = """
+CREATE FUNCTION refuse_acct_101() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'refused acct-101';
+END $$;
+CREATE TRIGGER refuse_acct_101 BEFORE INSERT ON statements
+    FOR EACH ROW WHEN (NEW.account = 'acct-101') EXECUTE FUNCTION refuse_acct_101();
+"""
