@@ -53,7 +53,8 @@ DEFAULT_CATCH_UP_WINDOW = datetime.timedelta(days=7)
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 """Seconds :meth:`Scheduler.stop` waits for running jobs before it cancels them."""
 ABANDONED_PER_ROUND = 100
-"""At most this many abandoned periods of one schedule are picked up per round."""
+"""At most this many abandoned periods of one schedule are picked up per round, so a round's
+transaction (which holds the schedule's row lock) stays short; the rest wait for the next."""
 
 
 @dataclasses.dataclass(frozen=True)
