@@ -18,9 +18,12 @@ from typing import Any
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
 """The semantic conventions dedup's spans and metrics follow."""
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-"""Advisory bucket boundaries (seconds) of every duration histogram: 1 ms to 30 s.  The
+"""Advisory bucket boundaries (seconds) of the consumer's duration histograms: 1 ms to 30 s.  The
 SDK's defaults (0, 5, 10, ... 10000) are meant for milliseconds and would put every
 batch of a healthy consumer into one bucket."""
+TASK_DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400)
+"""Advisory bucket boundaries (seconds) of ``dedup.task.duration``: a second to four hours,
+the lengths of scheduled jobs."""
 SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 """Advisory bucket boundaries of ``dedup.batch.size`` (messages)."""
 

@@ -149,6 +149,11 @@ lease_losses = _counter("dedup.lease.losses", "{lease}", "leases lost by their h
 reconcile_mismatches = _counter(
     "dedup.reconcile.mismatches", "{check}", "reconciliation mismatches"
 )
+timeouts_too_short = _counter(
+    "dedup.task.timeouts_too_short",
+    "{run}",
+    "runs fired by a schedule whose declared platform timeout is under the task's p95 duration",
+)
 # Histograms: how big, how long, how late.
 batch_size = _histogram(
     "dedup.batch.size", "{message}", "messages per transaction", buckets=semconv.SIZE_BUCKETS
@@ -157,6 +162,12 @@ transaction_duration = _histogram(
     "dedup.transaction.duration", "s", "time of one batch transaction, COMMIT included"
 )
 end_to_end_lag = _histogram("dedup.message.lag", "s", "from the record's timestamp to its commit")
+task_duration = _histogram(
+    "dedup.task.duration",
+    "s",
+    "time of one task run, from its start to its success or failure (database time)",
+    buckets=semconv.TASK_DURATION_BUCKETS,
+)
 faults = _counter(
     "dedup.telemetry.faults",
     "{fault}",

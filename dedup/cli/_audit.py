@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import sys
 from typing import Any
+
+import orjson
 
 from dedup import _errors as errors
 from dedup import _kafka_client as kafka_client
@@ -20,6 +23,7 @@ from dedup import _report as report
 from dedup.cli import _common as common
 from dedup.operations import _audit as audit
 from dedup.operations import _dead_letters as dead_letters
+from dedup.operations import _diagnose as diagnosis
 from dedup.operations import _reconciliation as reconciliation
 from dedup.operations import _retention as retention
 
@@ -136,7 +140,9 @@ async def _reconcile(args: argparse.Namespace) -> int:
     Runs the source and result queries declared for the task code (RECONCILE
     in a module: --module, $DEDUP_RECONCILE_MODULES, or an entry point of the
     dedup.reconcile group) for one business date, in one snapshot; prints both figures
-    and the difference and writes a reconcile event. Exit codes: 0 they agree,
+    and the difference and writes a reconcile event. A difference within the
+    check's thresholds is OK. --all checks every declared task, and --since D
+    every date from D to today, one line each. Exit codes: 0 they agree,
     1 mismatch, 2 bad usage (unknown task, bad date, a query that fails).
     """
     registry = reconciliation.Registry.default(args.module)
@@ -144,8 +150,12 @@ async def _reconcile(args: argparse.Namespace) -> int:
         for check in registry.checks():
             print(f"{report.escape(check.task)}\t{report.escape(check.description)}")
         return common.EXIT_OK
+    if args.all or args.since is not None:
+        return await _sweep(args, registry)
     if not args.task or args.date is None:
-        raise errors.ConfigurationError("give --task CODE and --date YYYY-MM-DD (or --list)")
+        raise errors.ConfigurationError(
+            "give --task CODE and --date YYYY-MM-DD (or --all, --since, --list)"
+        )
     check = registry.get(args.task)
     async with common.connection(args) as conn:
         found = await reconciliation.reconcile(
@@ -153,6 +163,59 @@ async def _reconcile(args: argparse.Namespace) -> int:
         )
     return common.show(found.as_report(), args, ok=found.ok)
 
+
+async def _sweep(args: argparse.Namespace, registry: reconciliation.Registry) -> int:
+    """``reconcile --all`` and ``--since``: every task (or one) on every date, a line each."""
+    if (args.date is None) == (args.since is None):
+        raise errors.ConfigurationError("give one of --date YYYY-MM-DD and --since YYYY-MM-DD")
+    checks = registry.swept() if args.all else [registry.get(args.task or "")]
+    if not checks:
+        raise errors.ConfigurationError("no reconcile check declared (see --list)")
+    async with common.connection(args) as conn:
+        found = await reconciliation.sweep(
+            conn,
+            checks,
+            date=args.date,
+            since=args.since,
+            schema=args.schema,
+            holder=args.holder,
+            alert_url=args.alert_url or os.environ.get(ALERT_URL_VARIABLE) or None,
+        )
+    if args.format == "json":
+        print(orjson.dumps(found.as_json()).decode())
+    else:
+        print(*(report.escape(line) for line in found.lines()), sep="\n")
+    return common.EXIT_PROBLEM if found.mismatches else common.EXIT_OK
+
+
+async def _diagnose(args: argparse.Namespace) -> int:
+    """say which layer failed for a task and business date, with the evidence
+
+    Reads the task's runs and the lease's losses from the events, and the
+    figures of the task's reconcile check if one is declared (as for reconcile):
+    duplicate_triggering (two holders started the period at once),
+    duplicate_execution (one at a time, but it succeeded twice, or the result
+    table holds more than the source), stale_holder_refused (the fence refused a
+    stale holder), or none. Exit codes: 0 none or a refused stale holder, 1 a
+    duplicate found, 2 bad usage.
+    """
+    registry = reconciliation.Registry.default(args.module)
+    check = registry.get(args.task) if args.task in registry.tasks() else None
+    async with common.connection(args) as conn:
+        found = await diagnosis.diagnose(
+            conn, args.task, args.date, check=check, schema=args.schema
+        )
+    if args.format == "json":
+        print(orjson.dumps(found.as_json()).decode())
+    else:
+        print(*(report.escape(line) for line in found.lines()), sep="\n")
+        if check is None:
+            print(report.escape(f"(no reconcile check declared for {args.task}: runs only)"))
+    return common.EXIT_OK if found.ok else common.EXIT_PROBLEM
+
+
+ALERT_URL_VARIABLE = "DEDUP_ALERT_URL"
+"""Where the sweep POSTs its alerts when --alert-url is not given."""
 
 # What audit and events both look a message up by.
 _KEY_FILTERS = {
@@ -254,6 +317,23 @@ def add_purge(sub: Any) -> None:
     common.add_output(p, limit=False)
 
 
+def add_diagnose(sub: Any) -> None:
+    """The ``diagnose`` command."""
+    p = common.command(sub, "diagnose", _diagnose)
+    p.add_argument("--task", required=True, help="the task code, e.g. statements")
+    p.add_argument(
+        "--date",
+        required=True,
+        type=common.argtype(reconciliation.parse_date, "date"),
+        help="the business date, YYYY-MM-DD",
+    )
+    p.add_argument(
+        "--module", action="append", default=[], help="a module declaring RECONCILE (repeatable)"
+    )
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    common.add_common(p)
+
+
 def add_reconcile(sub: Any) -> None:
     """The ``reconcile`` command."""
     p = common.command(sub, "reconcile", _reconcile)
@@ -270,5 +350,21 @@ def add_reconcile(sub: Any) -> None:
         help="a module declaring RECONCILE (repeatable)",
     )
     p.add_argument("--list", action="store_true", help="list the known task codes and exit")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="the daily sweep: every check of the --module(s) and $DEDUP_RECONCILE_MODULES, "
+        "or, when they declare none, of every entry point",
+    )
+    p.add_argument(
+        "--since",
+        type=common.argtype(reconciliation.parse_date, "date"),
+        help="every business date from this one to today (instead of --date)",
+    )
+    p.add_argument(
+        "--alert-url",
+        help=f"with --all or --since: POST each mismatch's alert (JSON) here, once per task and "
+        f"date, through the outbox (default: ${ALERT_URL_VARIABLE})",
+    )
     p.add_argument("--holder", help="who checks, for the events table (default: hostname:pid)")
     common.add_output(p, limit=False)

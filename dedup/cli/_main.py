@@ -18,16 +18,20 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import orjson
+
 import dedup
 from dedup import _errors as errors
 from dedup import _imports as imports
 from dedup import _limits as limits
 from dedup import _report as report
+from dedup import _timespec as timespec
 from dedup.cli import _audit as cli_audit
 from dedup.cli import _common as common
 from dedup.cli import _migrate as cli_migrate
 from dedup.cli import _offsets as cli_offsets
 from dedup.cli import _schedule as cli_schedule
+from dedup.operations import _task_stats as task_stats
 from dedup.tasks import _command as task_command
 from dedup.tasks import _runner as tasks
 
@@ -65,6 +69,25 @@ async def _task_run(args: argparse.Namespace) -> int:
         force=args.force,
         pool_options={**POOL_OPTIONS, "timeout": args.connect_timeout},
     )
+
+
+async def _task_stats(args: argparse.Namespace) -> int:
+    """how long a task's runs take, against its lease and its platform's timeout
+
+    Reads the successful runs of the window: p50, p95 and max duration, the
+    lease ttl of the latest run and how often it is renewed, and the platform
+    timeout (--timeout, else each schedule's of the task). Warns when a
+    platform timeout is under the p95 duration; with --check, exit code 1 then.
+    """
+    async with common.connection(args) as conn:
+        found = await task_stats.task_stats(
+            conn, args.task, schema=args.schema, window=args.window, platform_timeout=args.timeout
+        )
+    if args.format == "json":
+        print(orjson.dumps(found.as_json()).decode())
+    else:
+        print(*(report.escape(line) for line in found.lines()), sep="\n")
+    return EXIT_PROBLEM if args.check and found.warnings else EXIT_OK
 
 
 # --- run: the bundled services -------------------------------------------------------
@@ -141,6 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs before a failing task is left alone until --force (default: %(default)s)",
     )
     _common(p)
+    p = common.command(task, "stats", _task_stats)
+    p.add_argument("--task", required=True, help="the task code, e.g. statements")
+    p.add_argument(
+        "--timeout",
+        type=common.seconds(1, 7 * 86400),
+        help="your platform's timeout of a run, seconds (default: the task's schedules')",
+    )
+    p.add_argument(
+        "--window",
+        type=common.argtype(timespec.parse_duration, "duration"),
+        default=task_stats.DEFAULT_WINDOW,
+        help="read the runs of this long ago up to now, e.g. 7d (default: 30d)",
+    )
+    p.add_argument("--check", action="store_true", help="exit 1 when there is a warning")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    _common(p)
 
     for add in (
         cli_audit.add_audit,
@@ -153,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_schedule.add_schedule(sub)
     _add_run(sub)
     cli_audit.add_reconcile(sub)
+    cli_audit.add_diagnose(sub)
     return parser
 
 

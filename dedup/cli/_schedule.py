@@ -194,7 +194,7 @@ def add_schedule(sub: Any) -> None:
     )
     common.add_common(p)
     p = common.command(actions, "list", _list)
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("table", "json"), default="table")
     common.add_common(p)
     for name, run in (("pause", _pause), ("resume", _resume), ("remove", _remove)):
         p = common.command(actions, name, run)

@@ -27,12 +27,14 @@ Checks are registered by task code (:class:`Registry`):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import decimal
 import importlib
 import importlib.metadata
 import os
 import sys
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -41,6 +43,7 @@ import asyncpg
 
 from dedup import _errors as errors
 from dedup import _leases as leases
+from dedup import _outbox as outbox
 from dedup import _report as report
 from dedup import _telemetry as telemetry
 from dedup.data import _db as db
@@ -71,6 +74,14 @@ class Check:
     """What the result figures count, in reports (``balance postings``)."""
     description: str = ""
     """One line for ``dedup reconcile --list``."""
+    max_rows_difference: int = 0
+    """A row difference up to this many rows is tolerated (the sweep's absolute threshold)."""
+    max_rows_fraction: float = 0.0
+    """A row difference up to this fraction of the source's rows is tolerated (relative)."""
+    max_total_difference: Number = 0
+    """A total difference up to this amount is tolerated (absolute)."""
+    max_total_fraction: float = 0.0
+    """A total difference up to this fraction of the source's total is tolerated (relative)."""
 
     def __post_init__(self) -> None:
         if not self.task or ":" in self.task:
@@ -83,6 +94,38 @@ class Check:
                     f"reconcile check {self.task}: {name} must be a SQL query taking the "
                     "business date as $1"
                 )
+        for name in (
+            "max_rows_difference",
+            "max_rows_fraction",
+            "max_total_difference",
+            "max_total_fraction",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | decimal.Decimal):
+                raise errors.ConfigurationError(
+                    f"reconcile check {self.task}: {name} must be a number, not {value!r}"
+                )
+            if not value >= 0:  # NaN too
+                raise errors.ConfigurationError(
+                    f"reconcile check {self.task}: {name} must be 0 or more, not {value!r}"
+                )
+
+    def tolerates(self, source: Figures, result: Figures) -> bool:
+        """Is the difference between ``source`` and ``result`` within this check's thresholds?
+
+        Rows and totals each pass when their difference is at most the absolute
+        threshold or at most the fraction of the source's figure; with the
+        defaults (0) only equal figures pass.
+        """
+        rows = abs(result.rows - source.rows)
+        if rows > self.max_rows_difference and rows > self.max_rows_fraction * source.rows:
+            return False
+        if source.total is None or result.total is None:
+            return source.total == result.total
+        exact = decimal.Decimal
+        total = abs(exact(result.total) - exact(source.total))
+        relative = exact(str(self.max_total_fraction)) * abs(exact(source.total))
+        return total <= exact(str(self.max_total_difference)) or total <= relative
 
 
 @dataclass(frozen=True)
@@ -119,10 +162,19 @@ class ReconcileReport:
     """What the source figures count."""
     result_label: str = "result"
     """What the result figures count."""
+    within_thresholds: bool | None = None
+    """The check's thresholds tolerate the difference (None: the report had none)."""
 
     @property
     def ok(self) -> bool:
-        """Source and result agree on the row count and on the total."""
+        """Source and result agree on the row count and the total, or within the thresholds."""
+        if self.within_thresholds is not None:
+            return self.within_thresholds
+        return self.source == self.result
+
+    @property
+    def exact(self) -> bool:
+        """Source and result are equal."""
         return self.source == self.result
 
     @property
@@ -143,8 +195,9 @@ class ReconcileReport:
             "task": self.task,
             "business_date": self.business_date.isoformat(),
             "ok": self.ok,
-            "source": {"label": self.source_label, **_json_figures(self.source)},
-            "result": {"label": self.result_label, **_json_figures(self.result)},
+            "exact": self.exact,
+            "source": {"label": self.source_label, **_jsonfigures(self.source)},
+            "result": {"label": self.result_label, **_jsonfigures(self.result)},
             "difference": {
                 "rows": self.rows_difference,
                 "total": _json_number(self.total_difference),
@@ -155,8 +208,8 @@ class ReconcileReport:
         """What ``dedup reconcile`` prints: a verdict line and the figures, or the JSON."""
         total = self.total_difference
         figures = [
-            {"side": "source", "label": self.source_label, **_json_figures(self.source)},
-            {"side": "result", "label": self.result_label, **_json_figures(self.result)},
+            {"side": "source", "label": self.source_label, **_jsonfigures(self.source)},
+            {"side": "result", "label": self.result_label, **_jsonfigures(self.result)},
             {
                 "side": "difference",
                 "label": "result - source",
@@ -165,7 +218,7 @@ class ReconcileReport:
             },
         ]
         has_total = self.source.total is not None or self.result.total is not None
-        verdict = "OK" if self.ok else "MISMATCH"
+        verdict = ("OK" if self.exact else "OK (within thresholds)") if self.ok else "MISMATCH"
         return report.Report(
             query=None,
             heading=f"reconcile {self.task} {self.business_date.isoformat()}: {verdict}",
@@ -181,6 +234,16 @@ class ReconcileReport:
             fields=self.as_json(),
         )
 
+    def line(self) -> str:
+        """One line of the sweep: the task, the date, the verdict and the differences."""
+        total = self.total_difference
+        verdict = ("OK" if self.exact else "OK within thresholds") if self.ok else "MISMATCH"
+        found = f"reconcile {self.task} {self.business_date.isoformat()}: {verdict}"
+        if self.exact:
+            return found
+        total_text = "" if total is None else f", total {total:+}"
+        return f"{found} (rows {self.rows_difference:+}{total_text})"
+
     def render(self, format: str = "table") -> str:
         """The report as a table (``table``) or one JSON document (``json``)."""
         return self.as_report().render(format)
@@ -193,6 +256,8 @@ class Registry:
         self._checks: dict[str, tuple[Check, str]] = {}
         for check in checks:
             self.add(check)
+        self.from_modules = False
+        """Checks were declared by modules: the sweep checks those, not the entry points."""
 
     @classmethod
     def default(cls, modules: Sequence[str] = ()) -> Registry:
@@ -201,6 +266,7 @@ class Registry:
         listed = [m.strip() for m in os.environ.get(MODULES_VARIABLE, "").split(",")]
         for name in dict.fromkeys([*modules, *filter(None, listed)]):
             registry.add_module(name)
+        registry.from_modules = bool(registry._checks)
         return registry
 
     def add(self, check: Check, origin: str = "code") -> None:
@@ -251,6 +317,13 @@ class Registry:
                 self._add_entry_point(entry)
         return [self._checks[name][0] for name in sorted(self._checks)]
 
+    def swept(self) -> list[Check]:
+        """What ``--all`` checks: the modules' checks, or, when no module declared any, every
+        entry point's (an installed service's checks are not a sweep of your own database)."""
+        if self.from_modules:
+            return [self._checks[name][0] for name in sorted(self._checks)]
+        return self.checks()
+
     def _add_entry_point(self, entry: importlib.metadata.EntryPoint) -> None:
         origin = f"entry point {entry.name} = {entry.value}"
         try:
@@ -270,6 +343,7 @@ async def reconcile(
     registry: Registry | None = None,
     schema: str = sql.DEFAULT_SCHEMA,
     holder: str | None = None,
+    alert_url: str | None = None,
 ) -> ReconcileReport:
     """Compare source and result of ``task`` for ``business_date``; record and return the report.
 
@@ -280,7 +354,8 @@ async def reconcile(
     the ``reconcile`` event is written in it; a mismatch adds one to
     ``dedup.reconcile.mismatches``.  A query that fails for a reason other than
     a transient one raises :class:`dedup.ConfigurationError` naming the task and
-    the side.
+    the side.  With ``alert_url``, a mismatch also writes its alert to the outbox
+    in that transaction, once per task and date (:func:`alert`); :func:`sweep` sends it.
     """
     check = task if isinstance(task, Check) else (registry or Registry.default()).get(task)
     day = _date(business_date)
@@ -292,8 +367,8 @@ async def reconcile(
         f"reconcile {check.task}", attributes=attributes
     ) as span:
         async with db.connection(target) as conn, conn.transaction(isolation="repeatable_read"):
-            source = await _figures(conn, check, "source", day, schema)
-            result = await _figures(conn, check, "result", day, schema)
+            source = await figures(conn, check, "source", day, schema)
+            result = await figures(conn, check, "result", day, schema)
             found = ReconcileReport(
                 task=check.task,
                 business_date=day,
@@ -301,12 +376,105 @@ async def reconcile(
                 result=result,
                 source_label=check.source_label,
                 result_label=check.result_label,
+                within_thresholds=check.tolerates(source, result),
             )
             await events.record(conn, schema, [_event(found, holder)])
+            if alert_url is not None and not found.ok:
+                await alert(conn, found, alert_url, schema)
         span.set_attribute("dedup.reconcile.ok", found.ok)
         if not found.ok:
             telemetry.reconcile_mismatches.add(1, {"dedup.task": check.task})
     return found
+
+
+async def alert(conn: asyncpg.Connection, found: ReconcileReport, url: str, schema: str) -> bool:
+    """Write ``found``'s alert to the outbox, keyed by task and date; False if one was before."""
+    return await outbox.add(
+        conn,
+        schema,
+        key=f"reconcile:{found.task}:{found.business_date.isoformat()}",
+        destination=url,
+        payload={"alert": "reconcile_mismatch", "summary": found.line(), **found.as_json()},
+    )
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What :func:`sweep` found: every check's report, and the alerts it sent."""
+
+    reports: list[ReconcileReport]
+    days: list[dt.date]
+    alerts: list[outbox.Sent]
+
+    @property
+    def mismatches(self) -> list[ReconcileReport]:
+        return [r for r in self.reports if not r.ok]
+
+    def lines(self) -> list[str]:
+        """What ``dedup reconcile --all`` prints."""
+        tasks = len({r.task for r in self.reports})
+        return [
+            *(r.line() for r in self.reports),
+            *(a.line() for a in self.alerts),
+            f"{len(self.reports)} checks ({tasks} tasks, {len(self.days)} dates): "
+            f"{len(self.mismatches)} mismatches",
+        ]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "reports": [r.as_json() for r in self.reports],
+            "alerts": [dataclasses.asdict(a) for a in self.alerts],
+        }
+
+
+async def sweep(
+    target: Any,
+    checks: Sequence[Check],
+    *,
+    date: dt.date | None = None,
+    since: dt.date | None = None,
+    schema: str = sql.DEFAULT_SCHEMA,
+    holder: str | None = None,
+    alert_url: str | None = None,
+) -> Sweep:
+    """Reconcile every check for ``date``, or for every date from ``since`` to today.
+
+    Today is the database's.  With ``alert_url``, each mismatch's alert is
+    written to the outbox with its check (once per task and date, however often
+    the sweep runs), and then every pending alert is sent.
+    """
+    if (date is None) == (since is None):
+        raise errors.ConfigurationError("give one of a date and a first date (since)")
+    if not checks:
+        raise errors.ConfigurationError("no reconcile check declared")
+    if alert_url is not None:
+        check_alert_url(alert_url)
+    async with db.connection(target) as conn:
+        days = [] if date is None else [date]
+        if since is not None:
+            days = dates(since, await sql.Queries(schema).database_today.fetchval(conn))
+        found = [
+            await reconcile(conn, check, day, schema=schema, holder=holder, alert_url=alert_url)
+            for day in days
+            for check in checks
+        ]
+        sent = await outbox.send(conn, schema) if alert_url is not None else []
+    return Sweep(found, days, sent)
+
+
+def check_alert_url(url: str) -> str:
+    """``url`` if alerts can be POSTed to it; ConfigurationError naming it otherwise."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise errors.ConfigurationError(
+            f"alert url {url!r}: expected an http:// or https:// URL with a host"
+        )
+    return url
+
+
+def dates(first: dt.date, last: dt.date) -> list[dt.date]:
+    """Every date from ``first`` to ``last``, both included."""
+    return [first + dt.timedelta(days=n) for n in range((last - first).days + 1)]
 
 
 def parse_date(text: str) -> dt.date:
@@ -328,12 +496,15 @@ def _date(value: dt.date | str) -> dt.date:
         raise errors.ConfigurationError(str(exc)) from None
 
 
-async def _figures(
+async def figures(
     conn: asyncpg.Connection, check: Check, side: str, day: dt.date, schema: str
 ) -> Figures:
+    """The figures of ``check``'s ``side`` (``source`` or ``result``) for ``day``."""
     text = sql.render(getattr(check, side), schema)
     try:
-        row = await conn.fetchrow(text, day)
+        statement = await conn.prepare(text)
+        # A query that does not depend on the date (a list of currencies) takes no $1.
+        row = await statement.fetchrow(*([day] if statement.get_parameters() else []))
     except asyncpg.PostgresError as exc:
         if db.is_retriable(exc):
             raise
@@ -421,5 +592,5 @@ def _json_number(value: Number | None) -> int | str | None:
     return value if value is None or isinstance(value, int) else str(value)
 
 
-def _json_figures(figures: Figures) -> dict[str, Any]:
+def _jsonfigures(figures: Figures) -> dict[str, Any]:
     return {"rows": figures.rows, "total": _json_number(figures.total)}

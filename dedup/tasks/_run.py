@@ -21,6 +21,7 @@ import orjson
 from dedup import _errors as errors
 from dedup import _leases as leases
 from dedup import _limits as limits
+from dedup import _telemetry as telemetry
 from dedup.data import _db as db
 from dedup.data import _events as events
 from dedup.data import _sql as sql
@@ -161,7 +162,7 @@ class TaskRun:
             raise errors.ConfigurationError(
                 "complete(conn) must run inside the transaction of the job's writes"
             )
-        attempts = await self._q.task_finish.fetchval(
+        finished = await self._q.task_finish.fetchrow(
             conn,
             task=self.task,
             business_key=self.business_key,
@@ -170,7 +171,7 @@ class TaskRun:
             result=to_json(result)[1],
             error=None,
         )
-        if attempts is None:
+        if finished is None:
             raise await self.lease_book.stale_error(conn, self.lease)
         await self.fence(conn)
         await events.record(
@@ -183,9 +184,11 @@ class TaskRun:
                     TaskState.RUNNING,
                     TaskState.SUCCEEDED,
                     attempt=self.attempt,
+                    duration=finished["duration"],
                 )
             ],
         )
+        record_duration(self.task, TaskState.SUCCEEDED, finished["duration"])
 
     @contextlib.asynccontextmanager
     async def step(self, name: str) -> AsyncIterator[Step]:
@@ -261,6 +264,12 @@ class Step:
 
 Job = Callable[[TaskRun], Awaitable[object]]
 LeaseLostCallback = Callable[[TaskRun, errors.StaleTokenError], object]
+
+
+def record_duration(task: str, state: str, seconds: float | None) -> None:
+    """``dedup.task.duration`` of a run that ended ``state``."""
+    if seconds is not None:
+        telemetry.task_duration.record(seconds, {"dedup.task": task, "dedup.status": state})
 
 
 def to_json(value: Any) -> tuple[Any, str | None]:

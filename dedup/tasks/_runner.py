@@ -233,7 +233,7 @@ class TaskRunner:
                 pool=pool,
                 lease_book=lease_book,
             )
-            await events.record(conn, self.schema, [_started(run, row)])
+            await events.record(conn, self.schema, [_started(run, row, self.renew_fraction)])
             return run
 
     async def _skip(
@@ -369,10 +369,10 @@ class TaskRunner:
                 run.pool.acquire() as conn,
                 db.transaction(conn, run.lease_book.transaction_settings),
             ):
-                attempts = await self._q.task_finish.fetchval(
+                finished = await self._q.task_finish.fetchrow(
                     conn, **keys, token=run.token, state=state, result=text, error=error
                 )
-                if attempts is None:
+                if finished is None:
                     row = await self._q.task_get.fetchrow(conn, **keys)
                     if row["state"] != TaskState.SUCCEEDED or row["token"] != run.token:
                         raise await run.lease_book.stale_error(conn, run.lease)
@@ -387,7 +387,9 @@ class TaskRunner:
                         state,
                         attempt=run.attempt,
                         error=error,
+                        duration=finished["duration"],
                     )
+                    task_run.record_duration(run.task, state, finished["duration"])
                     await events.record(conn, self.schema, [event])
                 await run.lease_book.release(run.lease, conn=conn)
         except errors.StaleTokenError as exc:
@@ -419,7 +421,7 @@ def _check_run(task: str, business_key: str, lease_ttl: float) -> None:
     )
 
 
-def _started(run: task_run.TaskRun, row: asyncpg.Record) -> events.Event:
+def _started(run: task_run.TaskRun, row: asyncpg.Record, renew_fraction: float) -> events.Event:
     """The event of a run that starts: a takeover when the task's last holder vanished."""
     if row["state"] == TaskState.RUNNING:
         return task_run.event(
@@ -432,6 +434,8 @@ def _started(run: task_run.TaskRun, row: asyncpg.Record) -> events.Event:
             old_holder=row["holder"],
             attempt=run.attempt,
             forced=run.forced,
+            lease_ttl=run.lease.ttl,
+            renew_every=run.lease.ttl * renew_fraction,
         )
     return task_run.event(
         run,
@@ -440,6 +444,8 @@ def _started(run: task_run.TaskRun, row: asyncpg.Record) -> events.Event:
         TaskState.RUNNING,
         attempt=run.attempt,
         forced=run.forced,
+        lease_ttl=run.lease.ttl,
+        renew_every=run.lease.ttl * renew_fraction,
     )
 
 

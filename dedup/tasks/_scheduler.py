@@ -35,10 +35,12 @@ from dedup import _errors as errors
 from dedup import _imports as imports
 from dedup import _leases as leases
 from dedup import _limits as limits
+from dedup import _telemetry as telemetry
 from dedup.data import _db as db
 from dedup.data import _events as events
 from dedup.data import _migrations as migrations
 from dedup.data import _sql as sql
+from dedup.operations import _task_stats as task_stats
 from dedup.tasks import _periods as periods
 from dedup.tasks import _run as task_run
 from dedup.tasks import _runner as runner
@@ -422,6 +424,8 @@ class Scheduler:
                     period=decision.buffered,
                 )
             )
+        if decision.fire and schedule.platform_timeout is not None:
+            found += await self._timeout_warning(conn, schedule, len(decision.fire))
         await events.record(conn, self.schema, found)
         abandoned = await self._q.schedule_abandoned.fetch(
             conn,
@@ -436,6 +440,30 @@ class Scheduler:
             and (schedule.task, row["business_key"]) not in self._running
         ]
         return keys
+
+    async def _timeout_warning(
+        self, conn: asyncpg.Connection, schedule: Schedule, runs: int
+    ) -> list[events.Event]:
+        """The warning of runs fired under a platform timeout shorter than the task's p95."""
+        durations = await self._q.task_durations.fetchrow(
+            conn, task=schedule.task, since=task_stats.DEFAULT_WINDOW.total_seconds()
+        )
+        p95, timeout = durations["p95"], schedule.platform_timeout
+        if p95 is None or timeout is None or timeout >= p95:
+            return []
+        telemetry.timeouts_too_short.add(runs, {"dedup.task": schedule.task})
+        log.warning(
+            "schedule %s: the platform timeout %.1f s is under task %s's p95 duration %.1f s",
+            schedule.name,
+            timeout,
+            schedule.task,
+            p95,
+        )
+        return [
+            self._event(
+                schedule.name, "schedule_timeout_too_short", platform_timeout=timeout, p95=p95
+            )
+        ]
 
     def _start(self, schedule: Schedule, job: runner.Job, keys: list[str]) -> None:
         """Run ``keys`` one after another in the background (the next after the last ended)."""

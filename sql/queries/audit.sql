@@ -96,3 +96,7 @@ SELECT id, at, subject, kind, namespace, key, resource, holder, token, from_stat
 
 -- name: database_now
 SELECT now()
+
+-- name: database_today
+-- The database's date (its TimeZone setting): the last day a sweep `--since` checks.
+SELECT current_date

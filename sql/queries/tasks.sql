@@ -22,7 +22,7 @@ UPDATE {schema}.tasks
        finished_at = clock_timestamp(), updated_at = clock_timestamp()
  WHERE task = :task AND business_key = :business_key AND token = :token
    AND state = 'running'
-RETURNING attempts
+RETURNING attempts, extract(epoch FROM finished_at - started_at)::float8 AS duration
 
 -- name: task_give_up
 -- A running task whose holder vanished and which has no attempts left.
@@ -58,3 +58,39 @@ INSERT INTO {schema}.task_steps (task, business_key, step, holder, token, attemp
 VALUES (:task, :business_key, :step, :holder, :token, :attempt)
 ON CONFLICT (task, business_key, step) DO NOTHING
 RETURNING completed_at
+
+-- name: task_durations
+-- How long the task's successful runs took (seconds, database time) since
+-- :since seconds ago: the `duration` of its task_succeeded events.
+SELECT count(*) AS runs,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY (detail->>'duration')::float8) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY (detail->>'duration')::float8) AS p95,
+       max((detail->>'duration')::float8) AS max
+  FROM {schema}.events
+ WHERE subject = 'task' AND namespace = :task AND kind = 'task_succeeded'
+   AND detail ? 'duration'
+   AND at >= clock_timestamp() - make_interval(secs => :since)
+
+-- name: task_last_lease
+-- The lease ttl of the task's latest run, and how often it was renewed (seconds).
+SELECT (detail->>'lease_ttl')::float8 AS lease_ttl, (detail->>'renew_every')::float8 AS renew_every
+  FROM {schema}.events
+ WHERE subject = 'task' AND namespace = :task
+   AND kind IN ('task_started', 'task_taken_over') AND detail ? 'lease_ttl'
+ ORDER BY id DESC
+ LIMIT 1
+
+-- name: task_platform_timeouts
+-- The platform timeouts declared by the schedules that run the task.
+SELECT name, platform_timeout
+  FROM {schema}.schedules
+ WHERE task = :task AND platform_timeout IS NOT NULL
+ ORDER BY name
+
+-- name: diagnose_events
+-- One task and business key's story: its runs' events and its lease's.
+SELECT id, at, kind, holder, token, detail::text AS detail
+  FROM {schema}.events
+ WHERE (subject = 'task' AND namespace = :task AND key = :business_key)
+    OR (subject = 'lease' AND resource = :resource)
+ ORDER BY id

@@ -87,11 +87,12 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "python",
         "sh",
         "sql",
+        "sh",
     ]
     texts = [text for _, text in blocks]
     table, job, cron, shell, rerun, queries, downstream = texts[:7]
     schedule, scheduler, embedded, schedule_events = texts[7:11]
-    batch_job, batch_run, step_events = texts[11:]
+    batch_job, batch_run, step_events, stats = texts[11:]
 
     # 1. The table.
     await pool.execute(table)
@@ -249,6 +250,15 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "SELECT result FROM dedup.tasks WHERE task = 'statements' AND business_key = '2024-06-30'"
     )
     assert result == {"batches_sent": 3}
+
+    # 12. The stats of the task's runs: the batch job's rerun, the forced run,
+    # the backfill; each well under the 600 s timeout.
+    code, out, err = await sh(stats, cwd=billing, env=env)
+    assert code == 0, (out, err)
+    first, second, third = out.splitlines()
+    assert re.fullmatch(r"task statements: \d+ successful runs; duration p50 .*", first), out
+    assert second == "lease ttl 30.0 s, renewed every 10.0 s while a run lasts"  # the batch run's
+    assert third == "platform timeout 600.0 s (--timeout)"
 
 
 # The downstream failure of section 8's first run: the third batch's first account.
