@@ -149,6 +149,11 @@ lease_losses = _counter("dedup.lease.losses", "{lease}", "leases lost by their h
 reconcile_mismatches = _counter(
     "dedup.reconcile.mismatches", "{check}", "reconciliation mismatches"
 )
+leases_too_short = _counter(
+    "dedup.task.leases_too_short",
+    "{run}",
+    "runs started with a lease ttl under 1.5 x the task's p95 duration",
+)
 timeouts_too_short = _counter(
     "dedup.task.timeouts_too_short",
     "{run}",

@@ -77,11 +77,17 @@ async def _task_stats(args: argparse.Namespace) -> int:
     Reads the successful runs of the window: p50, p95 and max duration, the
     lease ttl of the latest run and how often it is renewed, and the platform
     timeout (--timeout, else each schedule's of the task). Warns when a
-    platform timeout is under the p95 duration; with --check, exit code 1 then.
+    platform timeout is under the p95 duration or the lease ttl under 1.5 x
+    the p95; with --check, exit code 1 then.
     """
     async with common.connection(args) as conn:
         found = await task_stats.task_stats(
-            conn, args.task, schema=args.schema, window=args.window, platform_timeout=args.timeout
+            conn,
+            args.task,
+            schema=args.schema,
+            window=args.window,
+            runs=args.runs,
+            platform_timeout=args.timeout,
         )
     if args.format == "json":
         print(orjson.dumps(found.as_json()).decode())
@@ -176,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=common.argtype(timespec.parse_duration, "duration"),
         default=task_stats.DEFAULT_WINDOW,
         help="read the runs of this long ago up to now, e.g. 7d (default: 30d)",
+    )
+    p.add_argument(
+        "--runs",
+        type=common.integer(1, 100_000),
+        default=task_stats.DEFAULT_RUNS,
+        help="read at most the latest this many successful runs (default: %(default)s)",
     )
     p.add_argument("--check", action="store_true", help="exit 1 when there is a warning")
     p.add_argument("--format", choices=("table", "json"), default="table")

@@ -10,5 +10,5 @@ purges old keys in small batches; ``_task_stats`` reads how long a task's runs t
 They may import the layers below them (dedup's statements, Postgres, Kafka's
 side of offsets, the basics); ``cli`` and the package's face import them, the
 consumer reads ``_offsets`` to tell an operator's move from a takeover, and the
-scheduler ``_task_stats``'s window.
+task runner and the scheduler ``_task_stats``'s lease and timeout rules.
 """

@@ -8,9 +8,13 @@ renewed, and the platform timeouts the task's schedules declare (or one given).
 
 It warns when a platform timeout is under the p95 duration: the platform
 stops (and may fire again) most runs before they end, and a rerun repeats
-the work that was not in a completed step.  A lease needs no such margin:
-the watchdog renews it while the job runs, so a run of any length keeps it,
-and the ttl only bounds how long a vanished holder blocks the task.
+the work that was not in a completed step.  And it warns when the lease ttl
+is under 1.5 x the p95 (:data:`LEASE_MARGIN`): the watchdog renews the lease
+on the job's event loop, so a job that blocks the loop (CPU-bound work, a
+synchronous driver) or a process that is paused renews nothing, and a lease
+shorter than the usual run then expires under it and lets a second holder in.
+A run that starts with such a lease writes ``task_lease_too_short`` and counts
+``dedup.task.leases_too_short`` (:func:`lease_warning`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ from dedup.data import _sql as sql
 
 DEFAULT_WINDOW = dt.timedelta(days=30)
 """The runs ``dedup task stats`` reads by default: those of the last 30 days."""
+DEFAULT_RUNS = 100
+"""Of those, the latest 100 successful runs: a run's start reads no more."""
+LEASE_MARGIN = 1.5
+"""A lease should outlast 1.5 x the p95 run without one renewal (the field's rule of thumb:
+1.5 to 2 x the usual duration): a loop that stops renewing then still ends its run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +58,15 @@ class TaskStats:
         """What is wrong, one sentence each (empty: nothing)."""
         if self.p95 is None:
             return []
-        return [
+        found = []
+        if self.lease_ttl is not None and lease_too_short(self.lease_ttl, self.p95):
+            found.append(
+                f"lease ttl {_s(self.lease_ttl)} is under {LEASE_MARGIN} x the p95 duration "
+                f"{_s(self.p95)}: a run whose loop stops renewing (a blocking job, a paused "
+                f"process) loses it before it usually ends; raise it to at least "
+                f"{_s(LEASE_MARGIN * self.p95)}"
+            )
+        return found + [
             f"platform timeout {_s(seconds)} ({origin}) is under the p95 duration "
             f"{_s(self.p95)}: the platform stops most long runs before they end; "
             f"raise it to at least {_s(1.5 * self.p95)} (1.5 x p95)"
@@ -92,15 +109,16 @@ async def task_stats(
     *,
     schema: str = sql.DEFAULT_SCHEMA,
     window: dt.timedelta = DEFAULT_WINDOW,
+    runs: int = DEFAULT_RUNS,
     platform_timeout: float | None = None,
 ) -> TaskStats:
-    """The :class:`TaskStats` of ``task``'s runs in the last ``window``.
+    """The :class:`TaskStats` of ``task``'s latest ``runs`` successful runs in the last ``window``.
 
     ``platform_timeout`` is the platform's timeout of a run (seconds); without it, each schedule
     of the task that declares one (``--timeout`` of ``dedup schedule add``).
     """
     q = sql.Queries(schema)
-    row = await q.task_durations.fetchrow(conn, task=task, since=window.total_seconds())
+    row = await q.task_durations.fetchrow(conn, task=task, since=window.total_seconds(), runs=runs)
     lease = await q.task_last_lease.fetchrow(conn, task=task)
     if platform_timeout is not None:
         timeouts: tuple[tuple[str, float], ...] = (("--timeout", platform_timeout),)
@@ -117,6 +135,20 @@ async def task_stats(
         renew_every=None if lease is None else lease["renew_every"],
         timeouts=timeouts,
     )
+
+
+def lease_too_short(ttl: float, p95: float | None) -> bool:
+    """A lease of ``ttl`` seconds is under :data:`LEASE_MARGIN` x the runs' ``p95``."""
+    return p95 is not None and ttl < LEASE_MARGIN * p95
+
+
+async def p95(conn: asyncpg.Connection, task: str, schema: str) -> float | None:
+    """The p95 duration of ``task``'s latest successful runs, as ``dedup task stats`` reads it."""
+    row = await sql.Queries(schema).task_durations.fetchrow(
+        conn, task=task, since=DEFAULT_WINDOW.total_seconds(), runs=DEFAULT_RUNS
+    )
+    found: float | None = row["p95"]
+    return found
 
 
 def _s(seconds: float | None) -> str:

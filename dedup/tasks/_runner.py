@@ -38,6 +38,7 @@ from dedup.data import _db as db
 from dedup.data import _events as events
 from dedup.data import _migrations as migrations
 from dedup.data import _sql as sql
+from dedup.operations import _task_stats as task_stats
 from dedup.tasks import _run as task_run
 from dedup.tasks._run import TaskState
 
@@ -233,7 +234,9 @@ class TaskRunner:
                 pool=pool,
                 lease_book=lease_book,
             )
-            await events.record(conn, self.schema, [_started(run, row, self.renew_fraction)])
+            found = [_started(run, row, self.renew_fraction)]
+            found += await _lease_warning(conn, run, self.schema)
+            await events.record(conn, self.schema, found)
             return run
 
     async def _skip(
@@ -419,6 +422,34 @@ def _check_run(task: str, business_key: str, lease_ttl: float) -> None:
     limits.check_number(
         "lease_ttl", lease_ttl, MIN_TASK_LEASE_TTL, limits.MAX_LEASE_TTL, whole=False
     )
+
+
+async def _lease_warning(
+    conn: asyncpg.Connection, run: task_run.TaskRun, schema: str
+) -> list[events.Event]:
+    """The warning of a run whose lease is under 1.5 x its task's p95 duration, if it is."""
+    p95 = await task_stats.p95(conn, run.task, schema)
+    if not task_stats.lease_too_short(run.lease.ttl, p95):
+        return []
+    telemetry.leases_too_short.add(1, {"dedup.task": run.task})
+    log.warning(
+        "task %s %s: lease ttl %.1f s is under %s x the p95 duration %.1f s of its runs",
+        run.task,
+        run.business_key,
+        run.lease.ttl,
+        task_stats.LEASE_MARGIN,
+        p95,
+    )
+    return [
+        task_run.event(
+            run,
+            "task_lease_too_short",
+            TaskState.RUNNING,
+            TaskState.RUNNING,
+            lease_ttl=run.lease.ttl,
+            p95=p95,
+        )
+    ]
 
 
 def _started(run: task_run.TaskRun, row: asyncpg.Record, renew_fraction: float) -> events.Event:

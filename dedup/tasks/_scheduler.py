@@ -445,10 +445,8 @@ class Scheduler:
         self, conn: asyncpg.Connection, schedule: Schedule, runs: int
     ) -> list[events.Event]:
         """The warning of runs fired under a platform timeout shorter than the task's p95."""
-        durations = await self._q.task_durations.fetchrow(
-            conn, task=schedule.task, since=task_stats.DEFAULT_WINDOW.total_seconds()
-        )
-        p95, timeout = durations["p95"], schedule.platform_timeout
+        p95 = await task_stats.p95(conn, schedule.task, self.schema)
+        timeout = schedule.platform_timeout
         if p95 is None or timeout is None or timeout >= p95:
             return []
         telemetry.timeouts_too_short.add(runs, {"dedup.task": schedule.task})

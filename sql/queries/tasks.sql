@@ -60,16 +60,20 @@ ON CONFLICT (task, business_key, step) DO NOTHING
 RETURNING completed_at
 
 -- name: task_durations
--- How long the task's successful runs took (seconds, database time) since
--- :since seconds ago: the `duration` of its task_succeeded events.
+-- How long the task's latest :runs successful runs since :since seconds ago
+-- took (seconds, database time): the `duration` of its task_succeeded events,
+-- newest first through the index events_task_succeeded.
 SELECT count(*) AS runs,
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY (detail->>'duration')::float8) AS p50,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY (detail->>'duration')::float8) AS p95,
-       max((detail->>'duration')::float8) AS max
-  FROM {schema}.events
- WHERE subject = 'task' AND namespace = :task AND kind = 'task_succeeded'
-   AND detail ? 'duration'
-   AND at >= clock_timestamp() - make_interval(secs => :since)
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY duration) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY duration) AS p95,
+       max(duration) AS max
+  FROM (SELECT (detail->>'duration')::float8 AS duration
+          FROM {schema}.events
+         WHERE subject = 'task' AND namespace = :task AND kind = 'task_succeeded'
+           AND detail ? 'duration'
+           AND at >= clock_timestamp() - make_interval(secs => :since)
+         ORDER BY id DESC
+         LIMIT :runs) AS latest
 
 -- name: task_last_lease
 -- The lease ttl of the task's latest run, and how often it was renewed (seconds).

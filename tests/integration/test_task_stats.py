@@ -24,10 +24,11 @@ async def work(run: dedup.TaskRun) -> None:
     await asyncio.sleep(SECONDS[(day - 1) % len(SECONDS)])  # the job's work, as long as it takes
 
 
-async def five_runs(pool: Any) -> None:
+async def five_runs(pool: Any, lease_ttl: float = 3) -> None:
+    """Five days' runs, each with a lease of ``lease_ttl`` (3 s: over 1.5 x the p95)."""
     runner = dedup.TaskRunner(pool=pool)
     for day in range(1, 6):
-        outcome = await runner.run("report", f"2024-05-0{day}", work, lease_ttl=2)
+        outcome = await runner.run("report", f"2024-05-0{day}", work, lease_ttl=lease_ttl)
         assert outcome.status == "succeeded"
 
 
@@ -55,7 +56,7 @@ async def test_a_platform_timeout_under_the_p95_duration_fails_the_check(
     assert short.returncode == 1, short
     lines = short.stdout.splitlines()
     assert lines[0].startswith("task report: 5 successful runs; duration p50 1.2 s, p95 1.5 s")
-    assert lines[1] == "lease ttl 2.0 s, renewed every 0.7 s while a run lasts"
+    assert lines[1] == "lease ttl 3.0 s, renewed every 1.0 s while a run lasts"
     assert lines[-1].startswith(
         "warning: platform timeout 1.2 s (--timeout) is under the p95 duration 1.5 s"
     )
@@ -102,3 +103,30 @@ async def test_a_schedule_firing_under_a_short_platform_timeout_warns_as_event_a
     assert counter_totals(metric_reader)["dedup.task.timeouts_too_short"] > before
     from_schedule = stats(dsn)
     assert "platform timeout 1.0 s (schedule report)" in from_schedule.stdout
+
+
+async def test_a_lease_under_one_and_a_half_p95_fails_the_check_and_warns_when_a_run_starts(
+    dsn: str, pool: Any, metric_reader: InMemoryMetricReader
+) -> None:
+    await five_runs(pool, lease_ttl=2)  # under 1.5 x the p95 (about 1.5 s)
+    before = counter_totals(metric_reader)["dedup.task.leases_too_short"]
+
+    short = stats(dsn, "--timeout", "3", "--check")  # the platform's timeout is long enough
+    outcome = await dedup.TaskRunner(pool=pool).run("report", "2024-05-06", work, lease_ttl=2)
+    warned = await pool.fetch(
+        "SELECT key, detail FROM dedup.events WHERE kind = 'task_lease_too_short' ORDER BY id"
+    )
+    enough = await dedup.TaskRunner(pool=pool).run("report", "2024-05-07", work, lease_ttl=3)
+    after = await pool.fetchval(
+        "SELECT count(*) FROM dedup.events WHERE kind = 'task_lease_too_short'"
+    )
+
+    assert short.returncode == 1, short
+    assert short.stdout.splitlines()[-1].startswith(
+        "warning: lease ttl 2.0 s is under 1.5 x the p95 duration 1.5 s"
+    ), short.stdout
+    # A run warns once its history's p95 is over 2 / 1.5 s: the sixth, at the latest.
+    assert [r["key"] for r in warned][-1] == "2024-05-06" and outcome.status == "succeeded"
+    assert warned[-1]["detail"]["lease_ttl"] == 2.0 and 1.4 < warned[-1]["detail"]["p95"] < 1.8
+    assert counter_totals(metric_reader)["dedup.task.leases_too_short"] > before
+    assert (enough.status, after) == ("succeeded", len(warned))  # 3 s is enough: no new warning

@@ -153,6 +153,8 @@ async def test_a_killed_holder_is_taken_over_after_its_ttl(
         "old_holder": "A",
         "attempt": 2,
         "forced": False,
+        "lease_ttl": 1.0,
+        "renew_every": pytest.approx(1 / 3),
     }
 
 
