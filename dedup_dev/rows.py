@@ -69,8 +69,8 @@ async def snapshot(dsn: str) -> dict[str, Any]:
 
 
 def clean(detail: dict[str, Any]) -> dict[str, Any]:
-    """Event details without what differs from run to run (times, lease expiries)."""
-    return {k: v for k, v in detail.items() if k not in ("expires_at", "reason")}
+    """Event details without what differs from run to run (times, lease expiries, durations)."""
+    return {k: v for k, v in detail.items() if k not in ("expires_at", "reason", "duration")}
 
 
 EXPECTED = {
@@ -93,7 +93,13 @@ EXPECTED = {
             ("message", "conflict", "wrapped", "a", {"offset": 2}),
             ("message", "dead_lettered", "wrapped", "a", {"attempts": 1, "offset": 2}),
             ("lease", "lease_acquired", "report", "2024-01-31", {"ttl": 30.0}),
-            ("task", "task_started", "report", "2024-01-31", {"attempt": 1, "forced": False}),
+            (
+                "task",
+                "task_started",
+                "report",
+                "2024-01-31",
+                {"attempt": 1, "forced": False, "lease_ttl": 30.0, "renew_every": 10.0},
+            ),
             ("task", "task_succeeded", "report", "2024-01-31", {"attempt": 1}),
             ("lease", "lease_released", "report", "2024-01-31", {}),
             ("task", "task_skipped", "report", "2024-01-31", {"held_by": "runner"}),
