@@ -14,7 +14,8 @@ on the job's event loop, so a job that blocks the loop (CPU-bound work, a
 synchronous driver) or a process that is paused renews nothing, and a lease
 shorter than the usual run then expires under it and lets a second holder in.
 A run that starts with such a lease writes ``task_lease_too_short`` and counts
-``dedup.task.leases_too_short`` (:func:`lease_warning`).
+``dedup.task.leases_too_short`` (the task runner, with :func:`p95` and
+:func:`lease_too_short`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ DEFAULT_RUNS = 100
 """Of those, the latest 100 successful runs: a run's start reads no more."""
 LEASE_MARGIN = 1.5
 """A lease should outlast 1.5 x the p95 run without one renewal (the field's rule of thumb:
-1.5 to 2 x the usual duration): a loop that stops renewing then still ends its run."""
+1.5 to 2 x the usual duration): a loop that stops renewing then still ends its run.  The
+same margin is the platform timeout the warning asks for."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,7 @@ class TaskStats:
         return found + [
             f"platform timeout {_s(seconds)} ({origin}) is under the p95 duration "
             f"{_s(self.p95)}: the platform stops most long runs before they end; "
-            f"raise it to at least {_s(1.5 * self.p95)} (1.5 x p95)"
+            f"raise it to at least {_s(LEASE_MARGIN * self.p95)} ({LEASE_MARGIN} x p95)"
             for origin, seconds in self.timeouts
             if seconds < self.p95
         ]
