@@ -29,7 +29,7 @@ from dedup.consumer._consumer import IdempotentConsumer
 from dedup.data._db import create_pool
 from dedup.data._migrations import migrate
 from dedup.operations._reconciliation import Check as ReconcileCheck
-from dedup.operations._reconciliation import ReconcileReport, reconcile
+from dedup.operations._reconciliation import ReconcileReport, reconcile, sweep_job
 from dedup.tasks._command import run_task
 from dedup.tasks._run import TaskOutcome, TaskRun, TaskState
 from dedup.tasks._runner import TaskRunner
@@ -82,6 +82,7 @@ __all__ = [
     "migrate",
     "reconcile",
     "run_task",
+    "sweep_job",
     "wrap",
 ]
 

@@ -16,7 +16,9 @@ topics of its own, named after the run (``dedup_demo_<run>``,
 2. runs two instances of each consumer (and two outbox dispatchers and the
    receiver) as real ``dedup run`` processes, and kills one payments instance
    with SIGKILL half-way;
-3. races two ``dedup task run`` statement runners for the same business date;
+3. adds the month-end statements schedule to the two ``dedup schedule run``
+   schedulers it started with the consumers, from before the business date:
+   the month-end period is past, and catch-up fires it once;
 4. reconciles every service for the date, then prints a summary (lost and
    doubled counted from the business tables, not from the consumers' word)
    and the commands to look deeper.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import os
 import random
 import signal
@@ -57,6 +60,9 @@ import dedup
 
 DATE = "2026-11-30"
 SERVICES = ("payments", "coupons", "notifications")
+STATEMENTS_CRON = "0 22 L * *"
+"""The statements schedule: 22:00 UTC on the last day of each month, business key that date."""
+SCHEDULERS = ("scheduler-a", "scheduler-b")
 MARK = "made by dedup's demo, run "
 """How the demo's own databases are marked (COMMENT ON DATABASE): ``--drop`` drops no other."""
 EXIT_REFUSED = 2
@@ -133,7 +139,7 @@ def with_copies(items: list[dict[str, Any]], rng: random.Random) -> list[dict[st
 
 
 class Processes:
-    """The ``dedup run`` processes the demo starts; all stopped on exit."""
+    """The ``dedup`` processes the demo starts (services, schedulers); all stopped on exit."""
 
     def __init__(self, env: dict[str, str], logs: Path) -> None:
         self.env = env
@@ -157,16 +163,19 @@ class Processes:
     def kill(self, name: str) -> None:
         self.running[name].send_signal(signal.SIGKILL)
 
-    async def stop_all(self) -> None:
-        for proc in self.running.values():
+    async def stop(self, *names: str) -> list[int]:
+        """SIGTERM to each of ``names`` (every process if none), SIGKILL after 30 s; exit codes."""
+        stopping = [self.running[n] for n in names] if names else list(self.running.values())
+        for proc in stopping:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.running.values():
+        for proc in stopping:
             try:
                 await asyncio.wait_for(proc.wait(), 30)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+        return [int(proc.returncode or 0) for proc in stopping]
 
 
 async def run_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
@@ -549,7 +558,8 @@ async def demo(args: argparse.Namespace, env: dict[str, str], made: Made, logs: 
     procs = Processes(env, logs)
     try:
         timeline.step(
-            "starting the receiver, 2 instances of each consumer and 2 outbox dispatchers"
+            "starting the receiver, 2 instances of each consumer, 2 outbox dispatchers"
+            " and 2 schedulers"
         )
         await start_services(procs)
         timeline.step(
@@ -569,16 +579,21 @@ async def demo(args: argparse.Namespace, env: dict[str, str], made: Made, logs: 
             lambda: all_settled(pool, plan), "every message to be applied or dead-lettered", 90
         )
         timeline.step("every message applied, suppressed or dead-lettered")
-        timeline.step(f"racing two statement runners for {DATE}")
-        runner_codes = await race_statement_runners(env)
         timeline.step(
-            f"runner exit codes {runner_codes} (0 ran, 3 already done, 4 running elsewhere)"
+            f"adding the statements schedule ({STATEMENTS_CRON}, from {DATE}):"
+            " its month-end period is past, catch-up fires it once"
+        )
+        await schedule_statements(env, pool)
+        await wait_until(lambda: statements_done(pool), f"the statements of {DATE}", 60)
+        scheduler_codes = await procs.stop(*SCHEDULERS)
+        timeline.step(
+            f"statements of {DATE} done; schedulers stopped (exit codes {scheduler_codes})"
         )
         reconciled = await reconcile(env)
     finally:
-        await procs.stop_all()
+        await procs.stop()
 
-    summary = await summarize(pool, plan, reconciled, runner_codes)
+    summary = await summarize(pool, plan, reconciled, scheduler_codes)
     await pool.close()
     say("")
     say(summary.table)
@@ -619,7 +634,7 @@ async def seed_accounts(pool: asyncpg.Pool, plan: Plan) -> None:
 
 
 async def start_services(procs: Processes) -> None:
-    """The receiver, two instances of each consumer, and two outbox dispatchers."""
+    """The receiver, two instances of each consumer, two outbox dispatchers, two schedulers."""
     port = free_port()
     await procs.start(
         "receiver", "run", "dedup_services.receiver", "--no-migrate", "--port", str(port)
@@ -647,6 +662,10 @@ async def start_services(procs: Processes) -> None:
             "--holder",
             f"dispatch-{i}",
         )
+    for name in SCHEDULERS:  # nothing to fire until the statements schedule is added
+        await procs.start(
+            name, "schedule", "run", "--holder", f"demo-{name}", "--poll-interval", "1"
+        )
 
 
 async def payments_decided(pool: asyncpg.Pool, at_least: int) -> bool:
@@ -669,26 +688,29 @@ async def all_settled(pool: asyncpg.Pool, plan: Plan) -> bool:
     )
 
 
-async def race_statement_runners(env: dict[str, str]) -> list[int]:
-    """Two ``dedup task run`` of the statements for DATE at once; their exit codes, sorted."""
-    race = await asyncio.gather(
-        *(
-            run_cli(
-                env,
-                "task",
-                "run",
-                "dedup_services.statements:job",
-                "--task",
-                "statements",
-                "--key",
-                DATE,
-                "--holder",
-                f"cron-{host}",
-            )
-            for host in ("a", "b")
-        )
+async def schedule_statements(env: dict[str, str], pool: asyncpg.Pool) -> None:
+    """The statements schedule, its periods from DATE on.
+
+    DATE's period is in the past: missed, as if every scheduler had been down
+    at month end.  The catch-up window reaches back to it, so catch-up ``all``
+    fires it (and any month end since, which finds no payments).
+    """
+    today = await pool.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+    window = (today - dt.date.fromisoformat(DATE)).days + 1
+    code, out = await run_cli(
+        env, "schedule", "add", "statements", "dedup_services.statements:job",
+        "--task", "statements", "--cron", STATEMENTS_CRON, "--start", f"{DATE}T00:00:00+00:00",
+        "--catch-up", "all", "--window", f"{window}d",
+    )  # fmt: skip
+    if code != 0:
+        raise SystemExit(f"demo: dedup schedule add failed:\n{out}")
+
+
+async def statements_done(pool: asyncpg.Pool) -> bool:
+    state = await pool.fetchval(
+        "SELECT state FROM dedup.tasks WHERE task = 'statements' AND business_key = $1", DATE
     )
-    return sorted(code for code, _ in race)
+    return bool(state == "succeeded")
 
 
 async def reconcile(env: dict[str, str]) -> dict[str, tuple[int, str]]:
@@ -752,11 +774,18 @@ class Figures:
 
 
 async def summarize(
-    pool: asyncpg.Pool, plan: Plan, reconciled: dict[str, tuple[int, str]], runner_codes: list[int]
+    pool: asyncpg.Pool,
+    plan: Plan,
+    reconciled: dict[str, tuple[int, str]],
+    scheduler_codes: list[int],
 ) -> Summary:
     figures = await count_figures(pool, plan)
-    ok = adds_up(figures) and all(code == 0 for code, _ in reconciled.values())
-    return Summary("\n".join(table(figures, plan, reconciled, runner_codes, ok)), ok)
+    ok = (
+        adds_up(figures)
+        and all(code == 0 for code, _ in reconciled.values())
+        and all(code == 0 for code in scheduler_codes)
+    )
+    return Summary("\n".join(table(figures, plan, reconciled, scheduler_codes, ok)), ok)
 
 
 async def count_figures(pool: asyncpg.Pool, plan: Plan) -> Figures:
@@ -870,7 +899,7 @@ def table(
     figures: Figures,
     plan: Plan,
     reconciled: dict[str, tuple[int, str]],
-    runner_codes: list[int],
+    scheduler_codes: list[int],
     ok: bool,
 ) -> list[str]:
     """The summary as printed: the table by service, the reconciliations, the verdict."""
@@ -902,7 +931,7 @@ def table(
     lines.append(f"{'stale writes refused':{WIDTH}}{figures.stale:>15}")
     lines.append(
         f"{'statements generated':{WIDTH}}{figures.statements:>15}"
-        f"   (runner exit codes {runner_codes})"
+        f"   (fired by the schedule, 2 schedulers: exit codes {scheduler_codes})"
     )
     verdicts = ", ".join(
         f"{task} {'OK' if code == 0 else 'MISMATCH'}" for task, (code, _) in reconciled.items()

@@ -13,6 +13,12 @@ or ``dedup run dedup_services.statements --date 2026-11-30``, which runs the sam
 job and also applies the migrations and installs the OpenTelemetry SDK.  The
 first runner takes the lease and writes; the others exit 4 (running
 elsewhere) or 3 (already done).  Exit codes are those of ``dedup task run``.
+Without cron, a schedule fires it at each month end (``make demo`` does)::
+
+    dedup schedule add statements dedup_services.statements:job --task statements \
+        --cron "0 22 L * *"
+
+and ``dedup schedule run`` on any number of machines.
 
 The rows are written with ``dedup.fenced_upsert``, stamped with the run's
 fencing token and only over rows whose token is not newer: a run that was

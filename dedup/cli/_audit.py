@@ -179,7 +179,7 @@ async def _sweep(args: argparse.Namespace, registry: reconciliation.Registry) ->
             since=args.since,
             schema=args.schema,
             holder=args.holder,
-            alert_url=args.alert_url or os.environ.get(ALERT_URL_VARIABLE) or None,
+            alert_url=args.alert_url or os.environ.get(reconciliation.ALERT_URL_VARIABLE) or None,
         )
     if args.format == "json":
         print(orjson.dumps(found.as_json()).decode())
@@ -213,9 +213,6 @@ async def _diagnose(args: argparse.Namespace) -> int:
             print(report.escape(f"(no reconcile check declared for {args.task}: runs only)"))
     return common.EXIT_OK if found.ok else common.EXIT_PROBLEM
 
-
-ALERT_URL_VARIABLE = "DEDUP_ALERT_URL"
-"""Where the sweep POSTs its alerts when --alert-url is not given."""
 
 # What audit and events both look a message up by.
 _KEY_FILTERS = {
@@ -364,7 +361,7 @@ def add_reconcile(sub: Any) -> None:
     p.add_argument(
         "--alert-url",
         help=f"with --all or --since: POST each mismatch's alert (JSON) here, once per task and "
-        f"date, through the outbox (default: ${ALERT_URL_VARIABLE})",
+        f"date, through the outbox (default: ${reconciliation.ALERT_URL_VARIABLE})",
     )
     p.add_argument("--holder", help="who checks, for the events table (default: hostname:pid)")
     common.add_output(p, limit=False)

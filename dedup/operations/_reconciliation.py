@@ -54,6 +54,8 @@ ENTRY_POINT_GROUP = "dedup.reconcile"
 """Entry points of installed packages: name = task code, value = a ``RECONCILE`` declaration."""
 MODULES_VARIABLE = "DEDUP_RECONCILE_MODULES"
 """Comma-separated modules whose ``RECONCILE`` declarations are registered too."""
+ALERT_URL_VARIABLE = "DEDUP_ALERT_URL"
+"""Where the sweep POSTs its alerts when no alert url is given."""
 
 Number = int | decimal.Decimal
 
@@ -460,6 +462,39 @@ async def sweep(
         ]
         sent = await outbox.send(conn, schema) if alert_url is not None else []
     return Sweep(found, days, sent)
+
+
+async def sweep_job(run: Any) -> dict[str, Any]:
+    """The daily sweep as a task's job: every check for the day before the run's business key.
+
+    ``dedup schedule add sweep dedup:sweep_job --task sweep --cron '0 6 * * *'``:
+    the period of the 4th sweeps the 3rd.  ``run`` is the :class:`dedup.TaskRun`
+    (its key an ISO date).  The checks are those of ``dedup reconcile --all``
+    with no ``--module`` (``DEDUP_RECONCILE_MODULES``, else the entry points);
+    alerts go to ``DEDUP_ALERT_URL`` when set.  A mismatch does not fail the
+    run: its event, metric and alert say so, and the run's result lists it.
+    """
+    try:
+        day = parse_date(run.business_key) - dt.timedelta(days=1)
+    except ValueError as exc:
+        raise errors.ConfigurationError(f"sweep_job: {exc} (the business key)") from None
+    found = await sweep(
+        run.pool,
+        Registry.default().swept(),
+        date=day,
+        schema=run.lease_book.schema,
+        holder=run.holder,
+        alert_url=os.environ.get(ALERT_URL_VARIABLE) or None,
+    )
+    result = {
+        "date": day.isoformat(),
+        "checks": len(found.reports),
+        "mismatches": [r.task for r in found.mismatches],
+        "alerts": {a.key: a.status for a in found.alerts},
+    }
+    async with run.transaction() as conn:
+        await run.complete(conn, result)
+    return result
 
 
 def check_alert_url(url: str) -> str:

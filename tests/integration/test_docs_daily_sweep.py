@@ -46,8 +46,10 @@ async def test_every_snippet_of_the_daily_sweep_howto_works(
     receiver: tuple[str, list[tuple[str | None, Any]]],
 ) -> None:
     blocks = docs_support.snippets(PAGE)
-    assert [lang for lang, _ in blocks] == ["python", "sql", "console", "sh", "console", "console"]
-    module, tables, sweep, every_morning, diagnose, alerts = (body for _, body in blocks)
+    assert [lang for lang, _ in blocks] == [
+        *("python", "sql", "console", "sh", "console", "console", "console")
+    ]
+    module, tables, sweep, every_morning, diagnose, alerts, scheduled = (b for _, b in blocks)
     assert module.startswith("# nightly.py\n")
     (tmp_path / "nightly.py").write_text(module)
     await pool.execute(tables)
@@ -92,3 +94,19 @@ async def test_every_snippet_of_the_daily_sweep_howto_works(
         "statements",
         DAY,
     )
+
+    # Section 5: the sweep as a schedule's job, in one shell (its export holds).
+    commands = docs_support.console(scheduled)
+    out = docs_support.run("\n".join(c for c, _ in commands), env, cwd=tmp_path)
+    expected = "\n".join(e for _, e in commands if e)
+    assert docs_support.expected_pattern(expected + "\n").fullmatch(out), out
+    assert len(posts) == 1, "the alert was sent once already: the scheduled sweep sends none"
+    result = await pool.fetchval(
+        "SELECT result FROM dedup.tasks WHERE task = 'sweep' AND business_key = '2024-06-01'"
+    )
+    assert result == {
+        "date": DAY,
+        "checks": 2,
+        "mismatches": ["statements"],
+        "alerts": {},
+    }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import http.server
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ import orjson
 import pytest
 
 import dedup
+from dedup_dev import helpers, task_worker
 
 DAY = "2024-05-31"
 
@@ -208,3 +211,55 @@ async def test_since_sweeps_every_date_up_to_today(
 def test_a_threshold_that_is_not_a_number_is_refused_naming_it() -> None:
     with pytest.raises(dedup.ConfigurationError, match="refunds: max_total_difference"):
         dedup.ReconcileCheck("refunds", "SELECT 1, 1", "SELECT 1, 1", max_total_difference="10")  # type: ignore[arg-type]
+
+
+async def test_a_schedule_runs_the_sweep_for_the_day_before_and_alerts_once(
+    dsn: str, pool: Any, tmp_path: Path, checks: str, receiver: tuple[str, list[Any]]
+) -> None:
+    # The figures of yesterday (UTC, the database's), swept by the period of today.
+    today: dt.date = await pool.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+    yesterday = (today - dt.timedelta(days=1)).isoformat()
+    await pool.execute(TABLES.replace(DAY, yesterday))
+    url, posts = receiver
+    # The checks module is in tmp_path; the subprocesses import dedup as this one does.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    env |= {"DEDUP_DSN": dsn, "DEDUP_RECONCILE_MODULES": checks, "DEDUP_ALERT_URL": url}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "dedup", *args],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    added = cli(
+        "schedule", "add", "sweep", "dedup:sweep_job", "--task", "sweep",
+        "--cron", "0 0 * * *", "--start", f"{today.isoformat()}T00:00:00+00:00",
+    )  # fmt: skip
+    assert added.returncode == 0, added
+    scheduler = await task_worker.start("schedule", "run", "--poll-interval", "0.2", env=env)
+
+    async def swept() -> Any:
+        await scheduler.running()
+        return await pool.fetchval(
+            "SELECT result FROM dedup.tasks WHERE task = 'sweep' AND state = 'succeeded'"
+        )
+
+    result = await helpers.wait_for(swept, what="the scheduled sweep to succeed")
+    scheduler.proc.send_signal(signal.SIGTERM)
+    code, out, err = await scheduler.finish()
+    assert code == 0, out + err
+    assert result == {
+        "date": yesterday,
+        "checks": 3,
+        "mismatches": ["refunds"],
+        "alerts": {f"reconcile:refunds:{yesterday}": "sent"},
+    }
+    # A forced rerun of the period sweeps again and alerts no more.
+    again = cli("schedule", "backfill", "sweep", "--from", today.isoformat(), "--to",
+                today.isoformat(), "--force")  # fmt: skip
+    assert again.returncode == 0, again
+    assert [key for key, _ in posts] == [f"reconcile:refunds:{yesterday}"]
+    mismatches = await pool.fetch(
+        "SELECT namespace, key FROM dedup.events WHERE kind = 'reconcile_mismatch'"
+    )
+    assert [tuple(m) for m in mismatches] == [("refunds", yesterday)] * 2
