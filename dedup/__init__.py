@@ -24,6 +24,7 @@ from dedup._faststream import FastStreamDedup
 from dedup._kafka_client import add_kafka_options, kafka_options
 from dedup._leases import Lease, Leases, default_holder, fenced_upsert
 from dedup._message import ClaimResult, Message, OnConflict, OnMissingKey, Outcome, Tx
+from dedup._relay import Relay
 from dedup._wrap import claim, wrap
 from dedup.consumer._consumer import IdempotentConsumer
 from dedup.data._db import create_pool
@@ -62,6 +63,7 @@ __all__ = [
     "Outcome",
     "ReconcileCheck",
     "ReconcileReport",
+    "Relay",
     "Schedule",
     "Scheduler",
     "ServiceUnavailableError",

@@ -184,7 +184,13 @@ class FastStreamDedup:
                 return None
             fresh = _narrowed(msg, records, claimed.fresh) if batch else msg
             guarded = guard.GuardedConnection(conn)
-            tx = message_.Tx(conn=guarded, token=0)
+            tx = message_.Tx(
+                conn=guarded,
+                token=0,
+                namespace=claimed.namespace,
+                schema=claimed.schema,
+                source=None if batch else claimed.fresh[0],
+            )
             try:
                 # "message" too: a batch subscriber's Context("message") is the narrowed one.
                 with context.scopes(((TX, tx), ("message", fresh))):

@@ -46,6 +46,17 @@ them:
     a retriable error (``OSError``, say) makes the look fail: the consumer
     logs it and looks again next ``kafka_commit_interval``.  Context:
     ``conn``, ``group_id``, ``partitions`` (``(topic, partition)`` pairs).
+
+The relay's points, in a batch's order:
+
+``RELAY_BEFORE_SEND``
+    The relay holds its lease and has read a batch of pending outbox rows; no
+    record of it is sent yet.  Context: ``pool``, ``ids`` (the rows' ids),
+    ``token`` (the relay's lease token).
+``RELAY_AFTER_SEND``
+    Every record of the batch is acknowledged by the broker (exactly-once: its
+    Kafka transaction committed); the rows are not marked sent yet.  Context:
+    ``pool``, ``ids``, ``token``.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ class Point(enum.Enum):
     BEFORE_COMMIT = "before_commit"
     AFTER_COMMIT = "after_commit"
     OWNER_LOOK = "owner_look"
+    RELAY_BEFORE_SEND = "relay_before_send"
+    RELAY_AFTER_SEND = "relay_after_send"
 
 
 _hooks: dict[Point, list[Hook]] = {}

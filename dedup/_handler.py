@@ -34,6 +34,7 @@ async def run(
     token: int,
     deadline_s: float | None,
     namespace: str = "",
+    schema: str = "dedup",
 ) -> None:
     """Run ``handler`` on ``msgs`` (once for a batch handler, else once per message, in order);
     ``tx.token`` is ``token``, the token every one of ``msgs`` runs under.
@@ -42,11 +43,13 @@ async def run(
     (see :func:`failed_offset`), so the lane can split the batch around it.
     """
     guarded = guard.GuardedConnection(conn)
-    tx = message_.Tx(conn=guarded, token=token, namespace=namespace)
     if batch_handler:
+        tx = message_.Tx(conn=guarded, token=token, namespace=namespace, schema=schema)
         await call(handler(msgs, tx), guarded, deadline_s)  # type: ignore[arg-type]
         return
     for msg in msgs:
+        # Its own Tx: tx.publish names the message the record comes from.
+        tx = message_.Tx(conn=guarded, token=token, namespace=namespace, schema=schema, source=msg)
         try:
             await call(handler(msg, tx), guarded, deadline_s)  # type: ignore[arg-type]
         except Exception as exc:

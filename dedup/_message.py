@@ -10,6 +10,8 @@ import asyncpg
 import orjson
 
 from dedup import _errors as errors
+from dedup import _outbox as outbox
+from dedup.data import _drivers as drivers
 from dedup.data import _sql as sql
 
 _UNDECODED: Any = object()
@@ -129,6 +131,42 @@ class Tx:
     lease)."""
     namespace: str = ""
     """The namespace the keys are claimed in; :meth:`lock` locks keys of it."""
+    schema: str = sql.DEFAULT_SCHEMA
+    """dedup's schema: where :meth:`publish` writes."""
+    source: Message | None = None
+    """The message a per-message handler was called with (None for a batch handler)."""
+    _published: list[int] = field(default_factory=lambda: [0], init=False, repr=False)
+
+    async def publish(
+        self,
+        topic: str,
+        value: Any,
+        *,
+        key: bytes | str | None = None,
+        headers: outbox.Headers | None = None,
+        source: Message | None = None,
+    ) -> str:
+        """Publish a record to ``topic`` once: it is written in this transaction, sent by the relay.
+
+        The record exists if and only if this transaction commits, so a
+        message's effects and what it tells other services happen together,
+        once; ``dedup relay`` publishes it (:class:`dedup.Relay`).  ``value``
+        is bytes, text or JSON (a dict, a list), None for a tombstone;
+        ``headers`` a mapping or pairs.  A batch handler names the message a
+        record comes from (``source=msg``).  Returns the record's row key,
+        ``NAMESPACE:KEY:N`` (the Nth record of the message), which the relay
+        sends as the ``dedup-key`` header.
+        """
+        origin = source or self.source
+        if origin is None:
+            raise errors.ConfigurationError(
+                "tx.publish in a batch handler: name the message the record comes from, "
+                "tx.publish(topic, value, source=msg)"
+            )
+        return await _publish(
+            self.conn, self.schema, self.namespace, self.token, origin, self._published,
+            topic=topic, value=value, key=key, headers=headers,
+        )  # fmt: skip
 
     async def lock(self, *keys: str) -> None:
         """Lock ``keys`` of the namespace until the transaction ends, in one statement.
@@ -142,7 +180,27 @@ class Tx:
         """
         if not keys:
             return
-        await sql.Queries().lock_keys.execute(self.conn, namespace=self.namespace, keys=list(keys))
+        await sql.Queries(self.schema).lock_keys.execute(
+            self.conn, namespace=self.namespace, keys=list(keys)
+        )
+
+
+async def _publish(
+    conn: asyncpg.Connection,
+    schema: str,
+    namespace: str,
+    token: int,
+    origin: Message,
+    published: list[int],
+    **record: Any,
+) -> str:
+    """The outbox row of ``record`` from ``origin``, the ``published[0]``-th of its transaction."""
+    n = published[0]
+    published[0] += 1
+    source = f"{namespace}:{origin.idempotency_key}"
+    return await outbox.publish(
+        conn, schema, row_key=f"{source}:{n}", source=source, token=token, **record
+    )
 
 
 class Outcome(enum.Enum):
@@ -211,3 +269,26 @@ class ClaimResult:
     """Messages written to ``dead_letters`` in the same transaction: those without a key
     (under ``on_missing_key="dead_letter"``) and the conflicts (under
     ``on_conflict="dead_letter"``)."""
+    namespace: str = ""
+    """The namespace the keys were claimed in."""
+    schema: str = sql.DEFAULT_SCHEMA
+    """dedup's schema."""
+    _published: list[int] = field(default_factory=lambda: [0], init=False, repr=False)
+
+    async def publish(
+        self,
+        conn: asyncpg.Connection,
+        topic: str,
+        value: Any,
+        *,
+        source: Message,
+        key: bytes | str | None = None,
+        headers: outbox.Headers | None = None,
+    ) -> str:
+        """:meth:`Tx.publish` for a fresh message ``source``, in the claim's transaction ``conn``
+        (asyncpg, or the SQLAlchemy connection or session :func:`dedup.claim` was given)."""
+        driver = await drivers.in_transaction(conn, "ClaimResult.publish")
+        return await _publish(
+            driver, self.schema, self.namespace, 0, source, self._published,
+            topic=topic, value=value, key=key, headers=headers,
+        )  # fmt: skip

@@ -16,7 +16,15 @@ A sender that dies between its POST and its COMMIT leaves the row pending and
 the next send posts it again, with the same ``Idempotency-Key``: delivery is
 at least once, and a receiver that keeps the keys it has handled acts once.
 The transaction stays open while the POSTs are in flight (``post_timeout`` each):
-the outbox carries a sweep's few alerts, not a stream.
+the HTTP sink carries a sweep's few alerts, not a stream.
+
+The Kafka sink carries the stream.  :func:`publish` writes a record (topic,
+key, value, headers) in the transaction that applies its source, under a row
+key named after that source (``tx.publish`` in a handler, ``run.publish`` in
+a task, ``ClaimResult.publish`` after :func:`dedup.claim`); the relay
+(:mod:`dedup._relay`) publishes the pending records in ``id`` order with the
+row key as the ``dedup-key`` header and the source's fencing token as
+``dedup-token``.
 """
 
 from __future__ import annotations
@@ -26,17 +34,28 @@ import dataclasses
 import logging
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import asyncpg
 import orjson
+from opentelemetry import propagate
 
+from dedup import _errors as errors
 from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.outbox")
 
 HTTP = "http"
 """The sink that POSTs a row's payload, as JSON, to the URL in its destination."""
+KAFKA = "kafka"
+"""The sink the relay publishes: a Kafka record to the topic in its destination."""
+KEY_HEADER = "dedup-key"
+"""The header that carries a published record's row key: a downstream consumer's
+``keys.header("dedup-key")`` applies it once however often the relay sends it."""
+TOKEN_HEADER = "dedup-token"  # noqa: S105 - a header name, not a secret
+"""The header that carries the fencing token its source was applied under."""
+Headers = Mapping[str, bytes | str | None] | Iterable[tuple[str, bytes | str | None]]
 RETRIED = frozenset({408, 429})
 """4xx answers that say "later", not "never"."""
 
@@ -115,3 +134,84 @@ def _post(url: str, key: str, body: bytes, timeout: float) -> tuple[str, str | N
         return "pending", str(exc.reason)
     except (OSError, ValueError) as exc:  # a timeout, a URL urllib can't use
         return "pending", f"{type(exc).__name__}: {exc}"
+
+
+async def publish(
+    conn: asyncpg.Connection,
+    schema: str,
+    *,
+    row_key: str,
+    topic: str,
+    value: Any,
+    key: bytes | str | None,
+    headers: Headers | None,
+    source: str,
+    token: int,
+) -> str:
+    """Write a Kafka record to the outbox in ``conn``'s transaction; returns ``row_key``.
+
+    ``value`` is bytes, text (UTF-8) or anything else orjson encodes (a
+    dict, a list), or None for a tombstone.  The current trace context goes
+    into the headers, so the downstream consumer's span links to the handler's.
+    """
+    if not isinstance(topic, str) or not topic:
+        raise errors.ConfigurationError(f"publish: topic must be a topic name, not {topic!r}")
+    if not conn.is_in_transaction():
+        raise errors.ConfigurationError(
+            "publish must run inside the transaction that applies its source"
+        )
+    names, values = _headers(headers)
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    for name, text in carrier.items():
+        names.append(name)
+        values.append(text.encode())
+    await sql.Queries(schema).outbox_publish.fetchval(
+        conn,
+        key=row_key,
+        topic=topic,
+        message_key=_bytes(key, "key"),
+        value=_value(value),
+        header_names=names,
+        header_values=values,
+        source=source,
+        token=token,
+    )
+    return row_key
+
+
+def _value(value: Any) -> bytes | None:
+    if value is None or isinstance(value, bytes | bytearray | memoryview | str):
+        return _bytes(value, "value")
+    try:
+        return orjson.dumps(value)
+    except TypeError as exc:
+        raise errors.ConfigurationError(
+            f"publish: value {value!r:.80} is not bytes, text or JSON ({exc})"
+        ) from None
+
+
+def _bytes(value: bytes | bytearray | memoryview | str | None, what: str) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise errors.ConfigurationError(f"publish: {what} must be bytes or text, not {value!r:.80}")
+
+
+def _headers(headers: Headers | None) -> tuple[list[str], list[bytes | None]]:
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or ())
+    names: list[str] = []
+    values: list[bytes | None] = []
+    for pair in pairs:
+        name, value = pair
+        if not isinstance(name, str) or name.lower() in (KEY_HEADER, TOKEN_HEADER):
+            raise errors.ConfigurationError(
+                f"publish: header name {name!r}: a text other than {KEY_HEADER} and "
+                f"{TOKEN_HEADER}, which the relay sets"
+            )
+        names.append(name)
+        values.append(_bytes(value, f"header {name!r}"))
+    return names, values

@@ -235,6 +235,23 @@ def _gauge(
     )
 
 
+outbox_published = _counter(
+    "dedup.outbox.published", "{record}", "outbox records the relay published to Kafka"
+)
+outbox_backlog: dict[str, tuple[int, float]] = {}
+"""Per relay name: (pending records, age of the oldest in seconds), as it last read them."""
+
+
+def _observe_backlog(_: metrics.CallbackOptions) -> Iterator[metrics.Observation]:
+    for name, (pending, _oldest) in list(outbox_backlog.items()):
+        yield metrics.Observation(pending, {"dedup.relay": name})
+
+
+def _observe_backlog_age(_: metrics.CallbackOptions) -> Iterator[metrics.Observation]:
+    for name, (_pending, oldest) in list(outbox_backlog.items()):
+        yield metrics.Observation(oldest, {"dedup.relay": name})
+
+
 consumer_lag = _gauge(
     "dedup.consumer.lag",
     "{message}",
@@ -246,6 +263,19 @@ oldest_unapplied_age = _gauge(
     "s",
     "per partition: age of the oldest record fetched and not yet committed (0: none)",
     _observe_age,
+)
+
+outbox_pending = _gauge(
+    "dedup.outbox.pending",
+    "{record}",
+    "per relay: outbox records written and not yet published",
+    _observe_backlog,
+)
+outbox_oldest_age = _gauge(
+    "dedup.outbox.oldest.age",
+    "s",
+    "per relay: age of the oldest record not yet published (0: none)",
+    _observe_backlog_age,
 )
 
 _logged_faults: set[str] = set()

@@ -56,6 +56,7 @@ def wrap(
                     token=0,
                     deadline_s=None,
                     namespace=writes.namespace,
+                    schema=writes.schema,
                 )
         if result.applied:
             return message_.Outcome.PROCESSED
@@ -111,6 +112,8 @@ async def claim(
         duplicates=result.duplicates,
         conflicts=result.conflicts,
         dead_lettered=[d.msg for d in result.dead_letters],
+        namespace=writes.namespace,
+        schema=schema,
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from dedup_dev import services
 
@@ -23,10 +23,14 @@ class Topics:
         self.created: list[str] = []
 
     async def create(
-        self, partitions: int = 1, prefix: str = "t", config: dict[str, str] | None = None
+        self,
+        partitions: int = 1,
+        prefix: str = "t",
+        config: dict[str, str] | None = None,
+        name: str | None = None,
     ) -> str:
-        """A new topic ``<prefix>-<12 hex>`` with ``partitions``; its name."""
-        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        """A new topic ``<prefix>-<12 hex>`` (or ``name``) with ``partitions``; its name."""
+        name = name or f"{prefix}-{uuid.uuid4().hex[:12]}"
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **self.options)
         try:
             await admin.start()
@@ -149,3 +153,49 @@ async def produce_transactions(
                 await producer.abort_transaction()
     finally:
         await producer.stop()
+
+
+async def read_topic(
+    bootstrap_servers: str, topic: str, *, read_committed: bool = False, within: float = 30.0
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every record of ``topic`` up to its end now, partition by partition, in offset order.
+
+    ``read_committed`` reads as a downstream ``isolation_level="read_committed"``
+    consumer does: records of aborted transactions are left out, and the end is
+    the last stable offset.
+    """
+    reader = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers,
+        enable_auto_commit=False,
+        isolation_level="read_committed" if read_committed else "read_uncommitted",
+    )
+    await reader.start()
+    try:
+        parts = [
+            TopicPartition(topic, p) for p in range(await partition_count(bootstrap_servers, topic))
+        ]
+        reader.assign(parts)
+        await reader.seek_to_beginning(*parts)
+        ends = await reader.end_offsets(parts)
+        found: list[ConsumerRecord[bytes, bytes]] = []
+        deadline = asyncio.get_running_loop().time() + within
+        for tp in parts:
+            while await reader.position(tp) < ends[tp]:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise AssertionError(f"{topic} not read to its end in {within:.0f}s")
+                batch = await reader.getmany(tp, timeout_ms=500)
+                found += [r for r in batch.get(tp, []) if r.offset < ends[tp]]
+        return found
+    finally:
+        await reader.stop()
+
+
+async def partition_count(bootstrap_servers: str, topic: str) -> int:
+    """How many partitions ``topic`` has."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        [described] = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return len(described["partitions"])

@@ -9,12 +9,14 @@ does not outlive its transaction.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import inspect
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import asyncpg
@@ -252,3 +254,18 @@ def show(found: report.Report, args: argparse.Namespace, *, ok: bool | None = No
     """Print ``found``; exit 0 when ``ok`` (default: something matched), else 1."""
     print(found.render(args.format), flush=True)
     return EXIT_OK if (found.found if ok is None else ok) else EXIT_PROBLEM
+
+
+async def run_until_signalled(
+    run: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]
+) -> None:
+    """``await run()``, with SIGTERM and SIGINT calling ``stop()`` (a service's clean stop)."""
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(stop()))
+    try:
+        await run()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

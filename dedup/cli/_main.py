@@ -30,6 +30,7 @@ from dedup.cli import _audit as cli_audit
 from dedup.cli import _common as common
 from dedup.cli import _migrate as cli_migrate
 from dedup.cli import _offsets as cli_offsets
+from dedup.cli import _relay as cli_relay
 from dedup.cli import _schedule as cli_schedule
 from dedup.operations import _task_stats as task_stats
 from dedup.tasks import _command as task_command
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         add(sub)
     cli_schedule.add_schedule(sub)
+    cli_relay.add_relay(sub)
     _add_run(sub)
     cli_audit.add_reconcile(sub)
     cli_audit.add_diagnose(sub)

@@ -8,9 +8,7 @@ or SIGINT once the jobs it runs have ended.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
-import signal
 from typing import Any
 
 import orjson
@@ -130,15 +128,7 @@ async def _backfill(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     """the scheduler: fire due periods once across every scheduler, until SIGTERM"""
     scheduler = _scheduler(args, holder=args.holder, poll_interval=args.poll_interval)
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(scheduler.stop()))
-    try:
-        await scheduler.run()
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    await common.run_until_signalled(scheduler.run, scheduler.stop)
     return common.EXIT_OK
 
 

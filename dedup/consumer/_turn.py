@@ -226,6 +226,7 @@ async def _handle(
                 token=token,
                 deadline_s=s.handler_timeout,
                 namespace=s.namespace,
+                schema=s.store.schema,
             )
         except errors.StaleTokenError as exc:
             # The handler's own fence (tx.token against a row it keeps) found a newer

@@ -129,7 +129,7 @@ class PurgeResult:
     """What a purge did (or, with ``dry_run``, would do)."""
 
     cutoff: datetime.datetime
-    """Keys and replayed dead letters older than this went."""
+    """Keys, replayed dead letters and sent outbox rows older than this went."""
     events_cutoff: datetime.datetime | None
     """Events older than this went (None: events kept)."""
     dry_run: bool
@@ -140,6 +140,8 @@ class PurgeResult:
     """Keys deleted."""
     dead_letters: int = 0
     """Replayed dead letters deleted."""
+    outbox: int = 0
+    """Outbox rows sent before the cutoff, deleted."""
     events: int | None = None
     """Events deleted (None: events kept)."""
     batches: int = 0
@@ -163,6 +165,7 @@ class PurgeResult:
             "cutoff": report.utc(self.cutoff),
             f"keys {verb}": self.processed,
             f"dead letters {verb}": self.dead_letters,
+            f"outbox rows {verb}": self.outbox,
             "events cutoff": report.utc(self.events_cutoff),
             f"events {verb}": events,
         }
@@ -186,6 +189,7 @@ class PurgeResult:
                 "purged": {
                     "processed": self.processed,
                     "dead_letters": self.dead_letters,
+                    "outbox": self.outbox,
                     "events": self.events,
                 },
                 "batches": self.batches,
@@ -313,6 +317,17 @@ class _Purge:
                 return
             await asyncio.sleep(self.pause)
 
+    async def outbox(self) -> None:
+        while True:
+            async with db.transaction(self.conn, BATCH_SETTINGS):
+                n = await self.queries.purge_outbox_batch.fetchval(
+                    self.conn, cutoff=self.result.cutoff, limit=self.batch_size
+                )
+            self.result.outbox += n
+            if n < self.batch_size:
+                return
+            await asyncio.sleep(self.pause)
+
     async def events(self, cutoff: datetime.datetime) -> None:
         self.result.events = 0
         bound = await self.queries.purge_events_bound.fetchval(self.conn, cutoff=cutoff)
@@ -337,9 +352,10 @@ async def _check_privileges(
         raise errors.ConfigurationError(
             f"no dedup tables in schema {queries.schema!r}: check --schema, or run `dedup migrate`"
         )
-    if not (may["processed"] and may["dead_letters"]):
+    if not (may["processed"] and may["dead_letters"] and may["outbox"]):
         raise errors.ConfigurationError(
-            "permission denied: this role may not delete from processed and dead_letters; "
+            "permission denied: this role may not delete from processed, dead_letters and "
+            "outbox; "
             "run purge as a role granted the schema's runtime role, or as the owner"
         )
     if events and not may["events"]:
@@ -361,7 +377,8 @@ async def purge(
     dry_run: bool = False,
     force: bool = False,
 ) -> PurgeResult:
-    """Delete keys (and replayed dead letters, and events if asked) older than the window.
+    """Delete keys (and replayed dead letters, sent outbox rows, and events if asked) older
+    than the window.
 
     Give exactly one of ``older_than`` (counted back from the database's
     ``now()``) and ``before`` (an absolute cutoff).  ``conn`` must not be in a
@@ -411,18 +428,21 @@ async def purge(
             conn, cutoff=cutoff, events_cutoff=events_cutoff
         )
         result.processed, result.dead_letters = counts["processed"], counts["dead_letters"]
+        result.outbox = counts["outbox"]
         result.events = counts["events"] if events_cutoff is not None else None
     else:
         work = _Purge(conn, queries, result, batch_size, pause)
         await work.processed()
         await work.dead_letters()
+        await work.outbox()
         if events_cutoff is not None:
             await work.events(events_cutoff)
     result.seconds = time.monotonic() - started
     log.info(
-        "purge: %d keys, %d dead letters, %s events older than %s in %.1fs",
+        "purge: %d keys, %d dead letters, %d outbox rows, %s events older than %s in %.1fs",
         result.processed,
         result.dead_letters,
+        result.outbox,
         result.events,
         cutoff,
         result.seconds,

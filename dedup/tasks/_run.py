@@ -21,6 +21,7 @@ import orjson
 from dedup import _errors as errors
 from dedup import _leases as leases
 from dedup import _limits as limits
+from dedup import _outbox as outbox
 from dedup import _telemetry as telemetry
 from dedup.data import _db as db
 from dedup.data import _events as events
@@ -104,6 +105,7 @@ class TaskRun:
     """The :class:`dedup.Leases` of the runner, which renews and fences the lease."""
     lost: errors.StaleTokenError | None = dataclasses.field(default=None, init=False)
     """Set when the lease was lost: stop writing."""
+    _published: int = dataclasses.field(default=0, init=False, repr=False)
 
     @functools.cached_property
     def _q(self) -> sql.Queries:
@@ -189,6 +191,36 @@ class TaskRun:
             ],
         )
         record_duration(self.task, TaskState.SUCCEEDED, finished["duration"])
+
+    async def publish(
+        self,
+        conn: asyncpg.Connection,
+        topic: str,
+        value: Any,
+        *,
+        key: bytes | str | None = None,
+        headers: outbox.Headers | None = None,
+    ) -> str:
+        """Publish a record to ``topic`` once, from the job's transaction ``conn``.
+
+        As :meth:`dedup.Tx.publish`: the record is written with the writes of
+        ``conn``'s transaction (:meth:`transaction`, a step's ``step.conn``) and
+        ``dedup relay`` sends it if that transaction commits.  Its row key is
+        ``task:TASK:KEY:TOKEN:N``, the Nth record of this run.
+        """
+        n = self._published
+        self._published += 1
+        return await outbox.publish(
+            conn,
+            self.lease_book.schema,
+            row_key=f"{self.resource}:{self.token}:{n}",
+            topic=topic,
+            value=value,
+            key=key,
+            headers=headers,
+            source=self.resource,
+            token=self.token,
+        )
 
     @contextlib.asynccontextmanager
     async def step(self, name: str) -> AsyncIterator[Step]:

@@ -10,11 +10,11 @@ ON CONFLICT (key) DO NOTHING
 RETURNING id
 
 -- name: outbox_due
--- The pending messages no other sender holds, oldest first; locked until the
+-- The pending HTTP messages no other sender holds, oldest first; locked until the
 -- sender's transaction marks them.
 SELECT id, key, sink, destination, payload::text AS payload, attempts
   FROM {schema}.outbox
- WHERE status = 'pending'
+ WHERE status = 'pending' AND sink = 'http'
  ORDER BY id
  LIMIT :limit
    FOR UPDATE SKIP LOCKED
@@ -25,3 +25,48 @@ UPDATE {schema}.outbox
    SET status = :status, attempts = attempts + 1, last_error = :error,
        sent_at = CASE WHEN :status = 'sent' THEN clock_timestamp() END
  WHERE id = :id
+
+-- name: outbox_publish
+-- A record for the relay to publish, in the transaction that applied its
+-- source; nothing when a row of that key is there already (a replay of a
+-- source whose key was purged, say).
+INSERT INTO {schema}.outbox
+       (key, sink, destination, message_key, value, header_names, header_values,
+        source, token)
+VALUES (:key, 'kafka', :topic, :message_key, :value, :header_names, :header_values,
+        :source, :token)
+ON CONFLICT (key) DO NOTHING
+RETURNING id
+
+-- name: outbox_kafka_due
+-- The relay's next pending records, in the order they were written.  No lock:
+-- one relay at a time holds the relay's lease and publishes.
+SELECT id, key, destination AS topic, message_key, value, header_names, header_values,
+       source, token
+  FROM {schema}.outbox
+ WHERE status = 'pending' AND sink = 'kafka'
+ ORDER BY id
+ LIMIT :limit
+
+-- name: outbox_kafka_mark
+-- Records the broker acknowledged (or, with :status = 'failed', refused for
+-- good, with :error); pending ones only, so a row is marked once.
+WITH marked AS (
+    UPDATE {schema}.outbox
+       SET status = :status, attempts = attempts + 1, last_error = :error,
+           sent_at = CASE WHEN :status = 'sent' THEN clock_timestamp() END
+     WHERE id = ANY(:ids::bigint[]) AND status = 'pending'
+    RETURNING 1
+)
+SELECT count(*) FROM marked
+
+-- name: outbox_backlog
+-- The relay's backlog: pending Kafka records and the age of the oldest (seconds).
+SELECT count(*) AS pending,
+       coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)::float8 AS oldest
+  FROM {schema}.outbox
+ WHERE status = 'pending' AND sink = 'kafka'
+
+-- name: relay_database
+-- The database a relay publishes from: part of its transactional id.
+SELECT current_database()

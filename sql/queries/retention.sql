@@ -61,6 +61,16 @@ WITH gone AS (
 )
 SELECT count(*) FROM gone
 
+-- name: purge_outbox_batch
+-- Outbox rows sent before the cutoff (:cutoff); pending and failed ones stay.
+WITH gone AS (
+    DELETE FROM {schema}.outbox
+     WHERE id IN (SELECT id FROM {schema}.outbox
+                   WHERE status = 'sent' AND sent_at < :cutoff ORDER BY sent_at LIMIT :limit)
+    RETURNING id
+)
+SELECT count(*) FROM gone
+
 -- name: purge_events_bound
 -- The newest event before the cutoff (:cutoff), through the BRIN index on at.
 SELECT max(id) FROM {schema}.events WHERE at < :cutoff
@@ -76,15 +86,19 @@ WITH gone AS (
 SELECT count(*) AS n, max(id) AS last_id FROM gone
 
 -- name: purge_counts
--- For --dry-run: what would go.  :cutoff for keys and dead letters, :events_cutoff for events.
+-- For --dry-run: what would go.  :cutoff for keys, dead letters and sent outbox rows,
+-- :events_cutoff for events.
 SELECT (SELECT count(*) FROM {schema}.processed
          WHERE first_seen < :cutoff AND processed_at < :cutoff
            AND (last_duplicate_at IS NULL OR last_duplicate_at < :cutoff)) AS processed,
        (SELECT count(*) FROM {schema}.dead_letters WHERE replayed_at < :cutoff) AS dead_letters,
+       (SELECT count(*) FROM {schema}.outbox
+         WHERE status = 'sent' AND sent_at < :cutoff) AS outbox,
        (SELECT count(*) FROM {schema}.events WHERE at < :events_cutoff) AS events
 
 -- name: purge_privileges
 -- Checked before purging anything, so a role that may not finish does not start.
 SELECT has_table_privilege(to_regclass('{schema}.processed'), 'DELETE') AS processed,
        has_table_privilege(to_regclass('{schema}.dead_letters'), 'DELETE') AS dead_letters,
+       has_table_privilege(to_regclass('{schema}.outbox'), 'DELETE') AS outbox,
        has_table_privilege(to_regclass('{schema}.events'), 'DELETE') AS events

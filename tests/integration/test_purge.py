@@ -67,7 +67,7 @@ async def test_the_cutoff_is_exact_and_a_key_inside_the_window_is_never_removed(
     assert done.returncode == 0, done.stderr
     doc = json_out(done)
     assert doc["cutoff"] == "2026-11-30T10:00:00.000000+00:00"
-    assert doc["purged"] == {"processed": 1, "dead_letters": 0, "events": None}
+    assert doc["purged"] == {"processed": 1, "dead_letters": 0, "outbox": 0, "events": None}
     assert await _keys(pool) == ["after", "at-cutoff", "old-but-duplicated"]
 
 
@@ -160,7 +160,7 @@ async def test_replayed_dead_letters_go_and_events_only_when_asked(dsn: str, poo
     await add_event(pool, "message", "duplicate", namespace="p", key="k", at=lately)
 
     doc = json_out(run_cli("purge", "--older-than", "30d", "--format", "json", dsn=dsn))
-    assert doc["purged"] == {"processed": 0, "dead_letters": 1, "events": None}
+    assert doc["purged"] == {"processed": 0, "dead_letters": 1, "outbox": 0, "events": None}
     left = await pool.fetch('SELECT reason FROM dedup.dead_letters ORDER BY "offset"')
     assert [r["reason"] for r in left] == ["never replayed", "lately"]
     assert await pool.fetchval("SELECT count(*) FROM dedup.events") == 2

@@ -491,9 +491,10 @@ async def test_upgrading_keeps_the_shared_roles_working_and_adds_the_schemas_own
         "applied dedup/0007_task_steps.sql\n"
         "applied dedup/0008_outbox.sql\n"
         "applied dedup/0009_task_durations.sql\n"
+        "applied dedup/0010_outbox_kafka.sql\n"
         f"schema dedup: its tables are granted to runtime role {database}_dedup_runtime and "
         f"audit role {database}_dedup_audit\n"
-        "schema dedup is up to date (6 applied now)\n"
+        "schema dedup is up to date (7 applied now)\n"
     )
     conn = await asyncpg.connect(dsn)
     try:
