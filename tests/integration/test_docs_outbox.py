@@ -1,9 +1,12 @@
 """Every snippet of docs/howto/outbox.md runs, in page order, against a fresh database.
 
-The handler writes real outbox rows; the claim query is the dispatcher's own
-and claims them; the dispatcher command delivers them to a receiver; the
-receiver recipe refuses a lower token and ignores repeats; the operator's
-queries show what the page says they show.
+Sections 1-4: the page's handler publishes through a real consumer, its relay
+command publishes to Kafka until SIGTERM, its downstream consumer applies each
+record once, and its query shows the rows sent.  Section 5: the handler writes
+real outbox rows; the claim query is the dispatcher's own and claims them; the
+dispatcher command delivers them to a receiver; the receiver recipe refuses a
+lower token and ignores repeats; the operator's queries show what the page says
+they show.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from dedup_services import notifications, outbox, receiver, service
 
 import dedup
 from dedup_dev import docs as docs_support
-from dedup_dev import helpers
+from dedup_dev import effects, helpers
+from dedup_dev import kafka as kafka_support
 from dedup_dev import service_process as service_support
+from dedup_dev.kafka import Topics
 from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "outbox.md"
@@ -44,8 +49,83 @@ def squeeze(sql: str) -> str:
     return re.sub(r"\s+", " ", sql).strip()
 
 
+KAFKA_SECTIONS = 4
+"""The page's first four snippets are its Kafka sections (1-4); the rest, section 5's."""
+
+
+async def test_the_kafka_sections_publish_relay_and_apply_once(
+    dsn: str, bootstrap_servers: str, pool: Any, topics: Topics
+) -> None:
+    blocks = docs_support.snippets(PAGE)[:KAFKA_SECTIONS]
+    assert [lang for lang, _ in blocks] == ["python", "sh", "python", "sql"]
+    handler_code, relay_command, ledger_code, state = (body for _, body in blocks)
+    source, output = await topics.create(partitions=2), await topics.create(partitions=2)
+    await pool.execute(
+        "CREATE TABLE accounts (account text PRIMARY KEY, balance int);"
+        "INSERT INTO accounts VALUES ('acme', 1000), ('globex', 1000);"
+        "CREATE TABLE ledger (dedup_key text, payment_id text, amount int)"
+    )
+    # 1. The handler, on 8 payments sent with copies.
+    namespace: dict[str, Any] = {}
+    exec(handler_code.replace('"payment-applied"', repr(output)), namespace)  # noqa: S102
+    payments = [
+        orjson.dumps({"payment_id": f"p{i}", "account": ("acme", "globex")[i % 2], "amount": 10})
+        for i in range(8)
+    ]
+    await helpers.produce(bootstrap_servers, source, [(None, p) for p in payments + payments[:3]])
+    consumer = dedup.IdempotentConsumer(
+        namespace["apply_payment"], topics=[source], group_id=f"g-{source}",
+        bootstrap_servers=bootstrap_servers, pool=pool, namespace="payments",
+        key=dedup.keys.json_field("payment_id"), auto_offset_reset="earliest",
+        install_signal_handlers=False,
+    )  # fmt: skip
+    async with effects.running(consumer):
+        await helpers.wait_for(lambda: effects.handled(consumer, 11), what="the payments")
+    assert await pool.fetchval("SELECT sum(balance) FROM accounts") == 2000 - 80
+
+    # 2. The relay command, until SIGTERM.
+    assert "--bootstrap-servers 127.0.0.1:9092" in relay_command
+    command = relay_command.strip().replace("127.0.0.1:9092", bootstrap_servers)
+    env = {
+        **service_support.environment(dsn),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    async with service_support.child("exec " + command, env=env, via_shell=True) as relay:
+        await helpers.wait_for(lambda: kafka_sent(pool, 8), what="the records published")
+        assert await relay.stop() == 0, await relay.stderr()
+    published = await kafka_support.read_topic(bootstrap_servers, output, read_committed=True)
+    assert sorted(dict(r.headers)["dedup-key"] for r in published) == sorted(
+        f"payments:p{i}:0".encode() for i in range(8)
+    )
+
+    # 3. Downstream, keyed by dedup-key: once per payment.
+    code = ledger_code.replace('["payment-applied"]', repr([output]))
+    code = code.replace('"ledger"', repr(f"ledger-{output}")).replace(
+        "127.0.0.1:9092", bootstrap_servers
+    )
+    code = code.replace('"postgresql://postgres@127.0.0.1:5432/postgres"', repr(dsn))
+    exec(code, {"dedup": dedup}, namespace)  # noqa: S102
+    ledger = namespace["ledger"]
+    async with effects.running(ledger):
+        await helpers.wait_for(lambda: effects.handled(ledger, 8), what="the ledger")
+    rows = await pool.fetch("SELECT payment_id FROM ledger")
+    assert sorted(r["payment_id"] for r in rows) == [f"p{i}" for i in range(8)]
+
+    # 4. What you see.
+    [(status, records, _)] = [tuple(r) for r in await pool.fetch(state)]
+    assert (status, records) == ("sent", 8)
+
+
+async def kafka_sent(pool: Any, n: int) -> bool:
+    return bool(
+        await pool.fetchval(
+            "SELECT count(*) = $1 FROM dedup.outbox WHERE sink = 'kafka' AND status = 'sent'", n
+        )
+    )
+
+
 async def test_every_snippet_of_the_outbox_howto_works(dsn: str, pool: Any) -> None:
-    blocks = docs_support.snippets(PAGE)
+    blocks = docs_support.snippets(PAGE)[KAFKA_SECTIONS:]
     assert [lang for lang, _ in blocks] == ["python", "sql", "sh", "sql", "python", "sql", "sql"]
     handler_code, claim, dispatch, table, accept_code, outbox_state, receiver_state = (
         body for _, body in blocks
