@@ -1,6 +1,7 @@
 """``python -m bench`` runs the throughput benchmark; ``soak`` the memory soak; ``live`` the
-live-stream latency; ``table-size`` throughput against the number of keys stored; ``quick``
-and ``full`` every section with every target (``make bench``, ``make bench-full``)."""
+live-stream latency; ``table-size`` throughput against the number of keys stored;
+``relay`` the outbox relay's records per second against a bare producer; ``quick`` and
+``full`` every section with every target (``make bench``, ``make bench-full``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ if __name__ == "__main__":
         from bench import live
 
         sys.exit(live.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["relay"]:
+        from bench import relay
+
+        sys.exit(relay.main(sys.argv[2:]))
     if sys.argv[1:2] == ["table-size"]:
         from bench import table_size
 

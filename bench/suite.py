@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from bench import live, report, run, table_size
+from bench import live, relay, report, run, table_size
 
 Summary = dict[str, Any]
 Verdict = dict[str, Any]
@@ -152,6 +152,23 @@ def _table_size_publish(summary: Summary, docs: Path) -> list[Path]:
     return [copy, table_size.plot(summary, docs / table_size.PLOT)]
 
 
+def _relay_measure(argv: list[str]) -> Summary:
+    return relay.measure(relay.parse(argv), argv)
+
+
+def _relay_overrides(args: argparse.Namespace) -> list[str]:
+    return ["--rounds", str(args.rounds)] if args.rounds else []
+
+
+RELAY_RESULTS = "performance-relay-results.json"
+
+
+def _relay_publish(summary: Summary, docs: Path) -> list[Path]:
+    copy = docs / RELAY_RESULTS
+    copy.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
+    return [copy]
+
+
 SECTIONS: list[Section] = [
     Section(
         name="throughput",
@@ -202,6 +219,18 @@ SECTIONS: list[Section] = [
         markdown=table_size.markdown,
         publish=_table_size_publish,
         overrides=_table_size_overrides,
+    ),
+    Section(
+        name="relay",
+        quick=("--records", "20000", "--rounds", "1"),
+        full=("--records", "100000", "--rounds", "3"),
+        measure=_relay_measure,
+        # No target: the page says what each mode costs against a bare producer.
+        targets=lambda summary: [],
+        table=relay.markdown,
+        markdown=relay.markdown,
+        publish=_relay_publish,
+        overrides=_relay_overrides,
     ),
 ]  # fmt: skip
 """The sections, in the order they run."""
