@@ -244,6 +244,7 @@ class Relay:
                     async with pool.acquire() as conn:
                         rows = await self._q.outbox_kafka_due.fetch(conn, limit=self.batch_size)
                     if not rows:
+                        telemetry.outbox_backlog[self.name] = (0, 0.0)  # none pending now
                         backoff = 0.0
                         await self._pause(self.poll_interval)
                         continue

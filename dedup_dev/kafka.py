@@ -28,6 +28,7 @@ class Topics:
         prefix: str = "t",
         config: dict[str, str] | None = None,
         name: str | None = None,
+        replicas: int = 1,
     ) -> str:
         """A new topic ``<prefix>-<12 hex>`` (or ``name``) with ``partitions``; its name."""
         name = name or f"{prefix}-{uuid.uuid4().hex[:12]}"
@@ -39,7 +40,8 @@ class Topics:
                 f"cannot reach Kafka at {self.bootstrap_servers}: {exc!r}; {services.HOW_TO_START}"
             ) from exc
         try:
-            await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])
+            topic = NewTopic(name, partitions, replicas, topic_configs=config or {})
+            await admin.create_topics([topic])
         finally:
             await admin.close()
         self.created.append(name)

@@ -13,7 +13,8 @@ The oracle: every payment has exactly one effect, one outbox row (sent), one
 ledger row, and in exactly-once mode exactly one record on the output topic
 read ``read_committed``; no ``published`` batch carries the zombie's token
 after the takeover.  ``make test`` runs one seed in exactly-once mode;
-``make chaos`` three seeds of each mode.
+``make chaos`` three seeds of each mode, and (test_relay_cluster.py) the same
+pipeline on the three-broker cluster with the output partition's leader killed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dedup_dev import effects as support
 from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
 from dedup_dev.children import Child
-from tests.chaos import driver, scenarios
+from tests.chaos import driver, kafka_cluster, scenarios
 
 pytestmark = pytest.mark.chaos
 
@@ -72,12 +73,20 @@ OUTPUT: list[str] = [""]
 class Pipeline:
     """One run: the topics, the in-process consumers, the relay children, the story."""
 
-    def __init__(self, ctx: driver.RunContext, mode: str, seed: int) -> None:
+    def __init__(
+        self,
+        ctx: driver.RunContext,
+        mode: str,
+        seed: int,
+        cluster: kafka_cluster.KafkaCluster | None = None,
+    ) -> None:
         self.ctx = ctx
         self.mode = mode
+        self.cluster = cluster
+        self.bootstrap = cluster.bootstrap_servers if cluster else ctx.services.bootstrap_servers
         self.rng = random.Random(seed)
         self.name = f"chaos-{seed}-{time.monotonic_ns()}"
-        self.topics = kafka_support.Topics(ctx.services.bootstrap_servers)
+        self.topics = kafka_support.Topics(self.bootstrap)
         self.relays: list[Child] = []
         self.story: list[str] = []
         self.started = time.monotonic()
@@ -92,7 +101,7 @@ class Pipeline:
         child = await Child.start(
             "tests.chaos.relay_child",
             [
-                "--dsn", self.ctx.dsn, "--bootstrap-servers", self.ctx.services.bootstrap_servers,
+                "--dsn", self.ctx.dsn, "--bootstrap-servers", self.bootstrap,
                 "--name", self.name, "--holder", holder, "--mode", self.mode,
                 "--ttl", str(LEASE_TTL),
             ],
@@ -136,6 +145,9 @@ class Pipeline:
         await helpers.wait_for(
             lambda: self._more_sent(before), within=60, what=f"records published before {fault}"
         )
+        if fault == "kill_output_leader":
+            await self.kill_output_leader()
+            return
         child, token = await self.holder()
         child.struck = True
         child.send(fault)
@@ -154,6 +166,21 @@ class Pipeline:
         child.paused = False
         self.zombie = (child, token)
         self.note(f"{child.name} SIGCONTed after a newer relay published")
+
+    async def kill_output_leader(self) -> None:
+        """SIGKILL the broker leading the output topic's partition 0; start it again once the
+        relay has published more without it."""
+        assert self.cluster is not None
+        node = (await self.cluster.leaders(OUTPUT[0]))[0]
+        await self.cluster.stop_node(node, signal.SIGKILL)
+        self.note(f"kafka node {node}, leader of {OUTPUT[0]}:0, SIGKILLed")
+        before = await self.sent()
+        await helpers.wait_for(
+            lambda: self._more_sent(before), within=120, what="publishing without the leader"
+        )
+        await self.cluster.start_nodes()
+        took = await self.cluster.wait_in_sync([OUTPUT[0]])
+        self.note(f"kafka node {node} started again, in sync after {took:.1f}s")
 
     async def _more_sent(self, before: int) -> bool:
         return await self.sent() > before
@@ -181,7 +208,7 @@ def consumer(handler: Any, topic: str, run: Pipeline, **kw: Any) -> dedup.Idempo
         handler,
         topics=[topic],
         group_id=f"g-{topic}",
-        bootstrap_servers=run.ctx.services.bootstrap_servers,
+        bootstrap_servers=run.bootstrap,
         pool=run.pool,
         auto_offset_reset="earliest",
         install_signal_handlers=False,
@@ -194,12 +221,20 @@ def consumer(handler: Any, topic: str, run: Pipeline, **kw: Any) -> dedup.Idempo
 async def test_relay_kills_and_a_zombie_lose_nothing_and_double_nothing(
     mode: str, seed: int, chaos_run: driver.RunContext
 ) -> None:
-    run = Pipeline(chaos_run, mode, seed)
-    bootstrap = chaos_run.services.bootstrap_servers
-    run.pool = await dedup.create_pool(chaos_run.dsn, max_size=6)
+    faults = ["kill_after_send"] * KILLS + ["pause_before_send"]
+    await pipeline(Pipeline(chaos_run, mode, seed), faults)
+
+
+async def pipeline(run: Pipeline, faults: list[str]) -> None:
+    """Run the pipeline through ``faults`` (in a seeded order) and check the oracle."""
+    mode, bootstrap = run.mode, run.bootstrap
+    run.pool = await dedup.create_pool(run.ctx.dsn, max_size=6)
     try:
         await run.pool.execute(TABLES)
-        source, output = await run.topics.create(4), await run.topics.create(4)
+        # On the cluster: three replicas, two in sync for acks=all, as production runs.
+        replicas, config = (3, {"min.insync.replicas": "2"}) if run.cluster else (1, None)
+        source = await run.topics.create(4, config=config, replicas=replicas)
+        output = await run.topics.create(4, config=config, replicas=replicas)
         OUTPUT[0] = output
         for _ in range(3):
             await run.start_relay()
@@ -212,7 +247,6 @@ async def test_relay_kills_and_a_zombie_lose_nothing_and_double_nothing(
             producing = asyncio.create_task(
                 produce(bootstrap, source, PAYMENTS[scenarios.matrix()], run.rng, faults_done)
             )
-            faults = ["kill_after_send"] * KILLS + ["pause_before_send"]
             run.rng.shuffle(faults)
             for fault in faults:
                 await run.strike(fault)
@@ -268,7 +302,7 @@ async def test_relay_kills_and_a_zombie_lose_nothing_and_double_nothing(
             token,
         )
         print(
-            f"relay {mode} seed {seed}: {n} payments, {len(committed)} records committed, "
+            f"relay {mode} {run.name}: {n} payments, {len(committed)} records committed, "
             f"{len(everything)} written (aborted or sent again included), "
             f"{late} batches marked by the zombie after the takeover\n{story}"
         )

@@ -16,6 +16,9 @@ from typing import Any
 
 import orjson
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 import dedup
 from dedup import _faults as faults
@@ -24,6 +27,7 @@ from dedup_dev import effects as support
 from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
 from dedup_dev.kafka import Topics
+from tests.integration.test_tracing import counter_totals, points
 
 LEDGER = "CREATE TABLE ledger (dedup_key text, payment_id text, amount int)"
 
@@ -303,3 +307,39 @@ async def test_a_broker_that_refuses_holds_records_back_and_loses_none(
             lambda: helpers.equal(pending(pool), 0), within=60, what="published once it exists"
         )
     assert len(await kafka_support.read_topic(bootstrap_servers, missing)) == 5
+
+
+async def test_each_batch_is_a_producer_span_linked_to_the_handlers_and_counted(
+    bootstrap_servers: str,
+    topics: Topics,
+    pool: Any,
+    spans: InMemorySpanExporter,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    _, output = await applied_payments(bootstrap_servers, topics, pool, 9)
+    handlers = {
+        s.context.trace_id for s in spans.get_finished_spans() if s.kind == SpanKind.CONSUMER
+    }
+    before = counter_totals(metric_reader)["dedup.outbox.published"]
+    relay = dedup.Relay(pool=pool, bootstrap_servers=bootstrap_servers, name=f"r-{output}")
+
+    async def backlog_gauge() -> float | None:
+        """What dedup.outbox.pending shows for this relay now."""
+        found = {
+            point.attributes["dedup.relay"]: point.value
+            for name, _, point in points(metric_reader)
+            if name == "dedup.outbox.pending"
+        }
+        return found.get(relay.name)
+
+    async with relaying(relay):
+        await helpers.wait_for(lambda: helpers.equal(pending(pool), 0), what="published")
+        # The gauge shows the backlog the relay last saw: none, once it finds no more rows.
+        await helpers.wait_for(lambda: helpers.equal(backlog_gauge(), 0), what="the gauge at 0")
+
+    batches = [s for s in spans.get_finished_spans() if s.name == f"publish {relay.name}"]
+    assert batches and {s.kind for s in batches} == {SpanKind.PRODUCER}
+    linked = {link.context.trace_id for s in batches for link in s.links}
+    assert len(linked) >= 1 and linked <= handlers, "each batch links to the handlers' traces"
+    assert sum(s.attributes["messaging.batch.message_count"] for s in batches) == 9
+    assert counter_totals(metric_reader)["dedup.outbox.published"] == before + 9
