@@ -343,3 +343,61 @@ async def test_each_batch_is_a_producer_span_linked_to_the_handlers_and_counted(
     assert len(linked) >= 1 and linked <= handlers, "each batch links to the handlers' traces"
     assert sum(s.attributes["messaging.batch.message_count"] for s in batches) == 9
     assert counter_totals(metric_reader)["dedup.outbox.published"] == before + 9
+
+
+async def test_a_task_run_and_a_claim_publish_in_their_own_transactions(pool: Any) -> None:
+    async def job(run: dedup.TaskRun) -> None:
+        async with run.transaction() as conn:
+            await run.publish(conn, "statements-sent", {"day": run.business_key})
+            await run.complete(conn)
+
+    runner = dedup.TaskRunner(pool=pool, holder="cron")
+    await runner.run("statements", "2026-11-30", job)
+    await runner.run("statements", "2026-11-30", job, force=True)  # an audited rerun
+    record = dedup.Message(
+        topic="payments", partition=0, offset=7, key=None, value=b'{"payment_id": "p1"}',
+        headers={}, timestamp=0,
+    )  # fmt: skip
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            claimed = await dedup.claim(
+                conn, [record], namespace="refunds", key=dedup.keys.json_field("payment_id")
+            )
+            await claimed.publish(conn, "refund-issued", b"p1", source=claimed.fresh[0])
+        with contextlib.suppress(RuntimeError):
+            async with conn.transaction():  # rolled back: its claim and its record go
+                again = await dedup.claim(
+                    conn, [record], namespace="chargebacks",
+                    key=dedup.keys.json_field("payment_id"),
+                )  # fmt: skip
+                await again.publish(conn, "chargeback", b"p1", source=again.fresh[0])
+                raise RuntimeError("the caller's write failed")
+
+    rows = await outbox_rows(pool)
+    assert [(r["key"], r["destination"], r["source"], r["token"]) for r in rows] == [
+        ("task:statements:2026-11-30:1:0", "statements-sent", "task:statements:2026-11-30", 1),
+        ("task:statements:2026-11-30:2:0", "statements-sent", "task:statements:2026-11-30", 2),
+        ("refunds:p1:0", "refund-issued", "refunds:p1", 0),
+    ]
+
+
+async def test_publish_refuses_what_it_cannot_send_naming_it(pool: Any) -> None:
+    msg = dedup.Message(
+        topic="t", partition=0, offset=0, key=None, value=b"{}", headers={}, timestamp=0,
+        idempotency_key="k",
+    )  # fmt: skip
+    async with pool.acquire() as conn, conn.transaction():
+        batch = dedup.Tx(conn, 1, namespace="n")
+        with pytest.raises(dedup.ConfigurationError, match="source=msg"):
+            await batch.publish("out", b"v")
+        tx = dedup.Tx(conn, 1, namespace="n", source=msg)
+        with pytest.raises(dedup.ConfigurationError, match="not bytes, text or JSON"):
+            await tx.publish("out", {1, 2})
+        with pytest.raises(dedup.ConfigurationError, match="header name 'dedup-key'"):
+            await tx.publish("out", b"v", headers={"dedup-key": b"mine"})
+        with pytest.raises(dedup.ConfigurationError, match="topic must be a topic name"):
+            await tx.publish("", b"v")
+    async with pool.acquire() as conn:
+        with pytest.raises(dedup.ConfigurationError, match="inside the transaction"):
+            await dedup.Tx(conn, 1, namespace="n", source=msg).publish("out", b"v")
+    assert await outbox_rows(pool) == []
