@@ -218,7 +218,7 @@ def consumer(handler: Any, topic: str, run: Pipeline, **kw: Any) -> dedup.Idempo
 
 @pytest.mark.parametrize("seed", SEEDS[scenarios.matrix()], ids=lambda s: f"seed{s}")
 @pytest.mark.parametrize("mode", MODES[scenarios.matrix()])
-async def test_relay_kills_and_a_zombie_lose_nothing_and_double_nothing(
+async def test_relays_struck_and_a_zombie_lose_nothing_and_double_nothing(
     mode: str, seed: int, chaos_run: driver.RunContext
 ) -> None:
     faults = ["kill_after_send"] * KILLS + ["pause_before_send"]

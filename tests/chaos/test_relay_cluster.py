@@ -18,7 +18,7 @@ pytestmark = pytest.mark.chaos
 
 
 @pytest.mark.parametrize("seed", relay.SEEDS["full"], ids=lambda s: f"seed{s}")
-async def test_relay_on_three_brokers_survives_the_output_leader_killed(
+async def test_relay_on_three_brokers_survives_losing_the_output_leader(
     seed: int, chaos_run: driver.RunContext, chaos_kafka_cluster: kafka_cluster.KafkaCluster
 ) -> None:
     faults = ["kill_after_send", "kill_output_leader", "pause_before_send"]
