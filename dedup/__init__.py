@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from dedup import keys
+from dedup._dispatcher import Dispatcher
 from dedup._errors import (
     ConfigurationError,
     DedupError,
@@ -50,6 +51,7 @@ __all__ = [
     "ClaimResult",
     "ConfigurationError",
     "DedupError",
+    "Dispatcher",
     "FastStreamDedup",
     "HandlerError",
     "IdempotentConsumer",

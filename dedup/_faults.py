@@ -57,6 +57,12 @@ The relay's points, in a batch's order:
     Every record of the batch is acknowledged by the broker (exactly-once: its
     Kafka transaction committed); the rows are not marked sent yet.  Context:
     ``pool``, ``ids``, ``token``.
+
+The HTTP dispatcher's:
+
+``DISPATCH_AFTER_POST``
+    A message was POSTed and answered; its row is not marked yet.  Context:
+    ``key`` (the row key), ``token`` (the claim token), ``status`` (the answer).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class Point(enum.Enum):
     OWNER_LOOK = "owner_look"
     RELAY_BEFORE_SEND = "relay_before_send"
     RELAY_AFTER_SEND = "relay_after_send"
+    DISPATCH_AFTER_POST = "dispatch_after_post"
 
 
 _hooks: dict[Point, list[Hook]] = {}

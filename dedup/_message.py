@@ -168,6 +168,17 @@ class Tx:
             topic=topic, value=value, key=key, headers=headers,
         )  # fmt: skip
 
+    async def post(self, destination: str, payload: Any, *, source: Message | None = None) -> str:
+        """An HTTP message to ``destination``, once: written in this transaction, POSTed by a
+        :class:`dedup.Dispatcher` serving that destination name.
+
+        As :meth:`publish`: it exists if and only if this transaction commits;
+        ``payload`` is JSON (a dict, a list, or JSON text); a batch handler
+        names the message it comes from (``source=msg``).  Returns the row key
+        ``NAMESPACE:KEY:N``, sent as the ``Idempotency-Key`` header.
+        """
+        return await _post(self, destination, payload, source)
+
     async def lock(self, *keys: str) -> None:
         """Lock ``keys`` of the namespace until the transaction ends, in one statement.
 
@@ -183,6 +194,22 @@ class Tx:
         await sql.Queries(self.schema).lock_keys.execute(
             self.conn, namespace=self.namespace, keys=list(keys)
         )
+
+
+async def _post(tx: Tx, destination: str, payload: Any, source: Message | None) -> str:
+    origin = source or tx.source
+    if origin is None:
+        raise errors.ConfigurationError(
+            "tx.post in a batch handler: name the message it comes from, "
+            "tx.post(destination, payload, source=msg)"
+        )
+    n = tx._published[0]
+    tx._published[0] += 1
+    prefix = f"{tx.namespace}:{origin.idempotency_key}"
+    return await outbox.post(
+        tx.conn, tx.schema, row_key=f"{prefix}:{n}", destination=destination,
+        payload=payload, source=prefix, token=tx.token,
+    )  # fmt: skip
 
 
 async def _publish(

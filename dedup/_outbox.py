@@ -95,13 +95,19 @@ async def add(
 
 
 async def send(
-    conn: asyncpg.Connection, schema: str, *, limit: int = 100, post_timeout: float = 10.0
+    conn: asyncpg.Connection,
+    schema: str,
+    urls: list[str],
+    *,
+    limit: int = 100,
+    post_timeout: float = 10.0,
 ) -> list[Sent]:
-    """Send up to ``limit`` pending rows, oldest first, and mark each; what happened to each."""
+    """POST up to ``limit`` pending rows whose destination is one of ``urls``, oldest first,
+    and mark each; what happened to each."""
     q = sql.Queries(schema)
     done = []
     async with conn.transaction():
-        for row in await q.outbox_due.fetch(conn, limit=limit):
+        for row in await q.outbox_due.fetch(conn, destinations=urls, limit=limit):
             found = await asyncio.to_thread(
                 _post, row["destination"], row["key"], row["payload"].encode(), post_timeout
             )
@@ -215,3 +221,45 @@ def _headers(headers: Headers | None) -> tuple[list[str], list[bytes | None]]:
         names.append(name)
         values.append(_bytes(value, f"header {name!r}"))
     return names, values
+
+
+async def post(
+    conn: asyncpg.Connection,
+    schema: str,
+    *,
+    row_key: str,
+    destination: str,
+    payload: Any,
+    source: str,
+    token: int,
+) -> str:
+    """Write an HTTP message for the dispatchers of ``destination``, in ``conn``'s transaction.
+
+    ``payload`` is what is POSTed: anything orjson encodes (a dict, a list),
+    or JSON as text or bytes.  Returns ``row_key``, the ``Idempotency-Key``.
+    """
+    if not isinstance(destination, str) or not destination:
+        raise errors.ConfigurationError(
+            f"post: destination must be a dispatcher's destination name, not {destination!r}"
+        )
+    if not conn.is_in_transaction():
+        raise errors.ConfigurationError(
+            "post must run inside the transaction that applies its source"
+        )
+    if isinstance(payload, bytes | bytearray | memoryview | str):
+        text = bytes(payload).decode() if not isinstance(payload, str) else payload
+        try:
+            orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise errors.ConfigurationError(f"post: payload is not JSON ({exc})") from None
+    else:
+        try:
+            text = orjson.dumps(payload).decode()
+        except TypeError as exc:
+            raise errors.ConfigurationError(
+                f"post: payload {payload!r:.80} is not JSON ({exc})"
+            ) from None
+    await sql.Queries(schema).outbox_post.fetchval(
+        conn, key=row_key, destination=destination, payload=text, source=source, token=token
+    )
+    return row_key

@@ -238,6 +238,9 @@ def _gauge(
 outbox_published = _counter(
     "dedup.outbox.published", "{record}", "outbox records the relay published to Kafka"
 )
+outbox_deliveries = _counter(
+    "dedup.outbox.deliveries", "{message}", "the HTTP dispatcher's sends, by outcome"
+)
 outbox_backlog: dict[str, tuple[int, float]] = {}
 """Per relay name: (pending records, age of the oldest in seconds), as it last read them."""
 

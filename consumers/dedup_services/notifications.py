@@ -1,4 +1,4 @@
-"""notifications: send each notification once, through a transactional outbox.
+"""notifications: send each notification once, through dedup's outbox.
 
 A notification event (JSON)::
 
@@ -9,13 +9,15 @@ The idempotency key is ``notification_id`` (namespace ``notifications``);
 
 Two processes, each started as many times as you like:
 
-- the consumer (the default) writes each fresh notification to
-  ``notifications.outbox`` in the transaction that claims its key, and sends
-  nothing itself: an HTTP call cannot roll back with a transaction;
-- the dispatcher (``--dispatcher``) claims due outbox rows (FOR UPDATE SKIP
-  LOCKED), POSTs each to ``--receiver-url`` with its ``Idempotency-Key`` and
+- the consumer (the default) writes each fresh notification to dedup's
+  outbox with ``tx.post("notifications", ...)``, in the transaction that
+  claims its key, and sends nothing itself: an HTTP call cannot roll back
+  with a transaction;
+- the dispatcher (``--dispatcher``) is a :class:`dedup.Dispatcher` serving the
+  destination ``notifications`` at ``--receiver-url``: it claims due outbox
+  rows (FOR UPDATE SKIP LOCKED), POSTs each with its ``Idempotency-Key`` and
   ``X-Fencing-Token`` (the claim's token), retries failures with exponential
-  backoff and marks rows sent (see consumers/dedup_services/outbox.py).
+  backoff and marks rows sent.
 
 The receiver must handle a key once and refuse a token lower than one it saw
 for that key; ``dedup run dedup_services.receiver`` is one that does.
@@ -25,33 +27,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
 
 import dedup
-from dedup_services import outbox, service
+from dedup import _faults as faults
+from dedup_services import service
 
 log = logging.getLogger(__name__)
 
 TASK = "notifications"
 
 HOLD_AFTER_SEND = "NOTIFICATIONS_TEST_HOLD_AFTER_SEND"
-"""Tests only: set, a dispatcher prints ``HELD <key> <token>`` after its first send and
-then hangs before marking the row sent, to be killed there."""
+"""Tests only: set, a dispatcher prints ``HELD <key> <token> <status>`` after its first send
+and then hangs before marking the row sent, to be killed there."""
 
-WRITE = """
-INSERT INTO notifications.outbox (idempotency_key, recipient, payload, business_date, source_token)
-VALUES ($1, $2, $3::text::jsonb, $4, $5)
+DESTINATION = "notifications"
+"""The outbox destination the consumer posts to and the dispatcher serves."""
+
+WRITTEN = """
+INSERT INTO notifications.written
+       (idempotency_key, recipient, business_date, outbox_key, source_token)
+VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (idempotency_key) DO NOTHING
 """
 
 RECONCILE = dedup.ReconcileCheck(
     task=TASK,
-    source="SELECT count(*), NULL FROM notifications.outbox WHERE business_date = $1",
-    result="SELECT count(*), NULL FROM notifications.outbox"
-    " WHERE business_date = $1 AND status = 'sent'",
+    source="SELECT count(*), NULL FROM notifications.written WHERE business_date = $1",
+    result="SELECT count(*), NULL FROM notifications.written w"
+    " JOIN {schema}.outbox o ON o.key = w.outbox_key"
+    " WHERE w.business_date = $1 AND o.status = 'sent'",
     source_label="notifications written to the outbox",
     result_label="notifications sent",
     description="notifications of the date written to the outbox vs sent to the receiver",
@@ -59,14 +66,15 @@ RECONCILE = dedup.ReconcileCheck(
 
 
 async def write(msg: dedup.Message, tx: dedup.Tx) -> None:
-    """Put the notification in the outbox, in the transaction that claims its key."""
+    """Post the notification to the outbox, in the transaction that claims its key."""
     body = service.event(msg, "a notification")
+    outbox_key = await tx.post(DESTINATION, msg.value)
     await tx.conn.execute(
-        WRITE,
+        WRITTEN,
         msg.idempotency_key,
         service.text_field(body, "recipient"),
-        msg.value.decode(),
         service.business_date(msg, body),
+        outbox_key,
         tx.token,
     )
 
@@ -80,16 +88,17 @@ SERVICE = service.ConsumerService(
 )
 
 
-# The flag and variable (after NOTIFICATIONS_) of each outbox.Settings field.
-_FLAGS = {
-    "claim_ttl": ("--claim-ttl", "CLAIM_TTL"),
-    "timeout": ("--timeout", "SEND_TIMEOUT"),
-    "max_attempts": ("--send-attempts", "SEND_ATTEMPTS"),
-    "retry_base": ("--retry-base", "RETRY_BASE"),
-    "retry_max": ("--retry-max", "RETRY_MAX"),
-    "poll_interval": ("--poll-interval", "POLL_INTERVAL"),
-    "batch_size": ("--dispatch-batch", "DISPATCH_BATCH"),
-}
+# The dispatcher's settings: dedup.Dispatcher's name, the flag, the variable
+# (after NOTIFICATIONS_), the default and what it means.
+_SETTINGS = [
+    ("claim_ttl", "--claim-ttl", "CLAIM_TTL", 30.0, "seconds a claim lasts (database clock)"),
+    ("timeout", "--timeout", "SEND_TIMEOUT", 10.0, "seconds a send may take (< --claim-ttl)"),
+    ("max_attempts", "--send-attempts", "SEND_ATTEMPTS", 8, "claims of a row before it is failed"),
+    ("retry_base", "--retry-base", "RETRY_BASE", 1.0, "seconds before the first retry; doubles"),
+    ("retry_max", "--retry-max", "RETRY_MAX", 60.0, "longest wait between retries"),
+    ("poll_interval", "--poll-interval", "POLL_INTERVAL", 0.5, "seconds between looks when idle"),
+    ("batch_size", "--dispatch-batch", "DISPATCH_BATCH", 10, "rows claimed and sent at once"),
+]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,15 +114,15 @@ def parser() -> argparse.ArgumentParser:
         env="NOTIFICATIONS_RECEIVER_URL",
         help="where to POST, e.g. http://127.0.0.1:8080/notifications",
     )
-    for setting in dataclasses.fields(outbox.Settings):
-        flag, env = _FLAGS[setting.name]
+    for name, flag, env, default, meaning in _SETTINGS:
         service.option(
             group,
             flag,
             env=f"NOTIFICATIONS_{env}",
-            default=setting.default,
-            type=type(setting.default),
-            help=setting.metadata["help"],
+            default=default,
+            type=type(default),
+            help=meaning,
+            dest=name,
         )
     return p
 
@@ -126,34 +135,30 @@ async def dispatch(args: argparse.Namespace) -> int:
         url = service.require(args.receiver_url, "--receiver-url", "NOTIFICATIONS_RECEIVER_URL")
         pool = await service.connect(args.dsn)
         try:
-            try:
-                # argparse keeps --send-attempts as send_attempts.
-                settings = outbox.Settings(
-                    **{
-                        name: getattr(args, flag[2:].replace("-", "_"))
-                        for name, (flag, _) in _FLAGS.items()
-                    }
-                )
-                dispatcher = outbox.Dispatcher(
-                    pool,
-                    receiver_url=url,
-                    holder=args.holder,
-                    settings=settings,
-                    after_send=_hold if os.environ.get(HOLD_AFTER_SEND) else None,
-                )
-            except ValueError as exc:
-                raise dedup.ConfigurationError(str(exc)) from exc
+            dispatcher = dedup.Dispatcher(
+                pool=pool,
+                destinations={DESTINATION: url},
+                holder=args.holder,
+                **{name: getattr(args, name) for name, *_ in _SETTINGS},
+            )
+            if os.environ.get(HOLD_AFTER_SEND):
+                faults.install(faults.Point.DISPATCH_AFTER_POST, _hold)
             log.info("dispatching the outbox to %s as %s", url, dispatcher.holder)
             with service.stop_signals() as stop:
-                await dispatcher.run(stop)
+                running = asyncio.create_task(dispatcher.run())
+                stopping = asyncio.create_task(stop.wait())
+                await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                await dispatcher.stop()
+                await running  # its sends in flight marked, or its error raised
             log.info("dispatcher stopped: %s", dict(dispatcher.stats))
         finally:
             await pool.close()
     return 0
 
 
-async def _hold(delivery: outbox.Delivery, status: int) -> None:
-    print(f"HELD {delivery.key} {delivery.token} {status}", flush=True)
+async def _hold(*, key: str, token: int, status: int) -> None:
+    print(f"HELD {key} {token} {status}", flush=True)
     await asyncio.Event().wait()
 
 

@@ -52,6 +52,7 @@ def option(
     help: str,
     default: Any = None,
     type: Callable[[str], Any] = str,
+    dest: str | None = None,
 ) -> None:
     """Add ``flag``, defaulting to ``$env`` and then to ``default``; the help names both."""
     raw = os.environ.get(env)
@@ -62,7 +63,13 @@ def option(
         except ValueError as exc:
             raise dedup.ConfigurationError(f"${env}={raw!r}: {exc}") from exc
     shown = "" if default is None else f"; default: {default}"
-    parser.add_argument(flag, type=type, default=value, help=f"{help} (${env}{shown})")
+    parser.add_argument(
+        flag,
+        type=type,
+        default=value,
+        help=f"{help} (${env}{shown})",
+        dest=dest or flag.lstrip("-").replace("-", "_"),
+    )
 
 
 def require(value: Any, flag: str, env: str) -> Any:

@@ -460,7 +460,7 @@ async def sweep(
             for day in days
             for check in checks
         ]
-        sent = await outbox.send(conn, schema) if alert_url is not None else []
+        sent = await outbox.send(conn, schema, [alert_url]) if alert_url is not None else []
     return Sweep(found, days, sent)
 
 

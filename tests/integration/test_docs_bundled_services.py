@@ -179,14 +179,19 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
                 key="notification_id",
             )
             await helpers.wait_for(
-                lambda: count(pool, "SELECT FROM notifications.outbox WHERE status = 'sent'", 1),
+                lambda: count(
+                    pool,
+                    "SELECT FROM dedup.outbox WHERE destination = 'notifications'"
+                    " AND status = 'sent'",
+                    1,
+                ),
                 what="the notification sent",
             )
             for process in (dispatcher, consumer):
                 assert await process.stop() == 0, await process.stderr()
         assert await receiver.stop() == 0, await receiver.stderr()
     delivered = await pool.fetch("SELECT idempotency_key, payload FROM receiver.notifications")
-    assert [tuple(r) for r in delivered] == [("n-1", notification)]
+    assert [tuple(r) for r in delivered] == [("notifications:n-1:0", notification)]
 
     # statements: the run, then the same job through dedup task run (skipped: done).
     code, out, err = await sh(text[13])

@@ -2,8 +2,8 @@
 
 Sections 1-4: the page's handler publishes through a real consumer, its relay
 command publishes to Kafka until SIGTERM, its downstream consumer applies each
-record once, and its query shows the rows sent.  Section 5: the handler writes
-real outbox rows; the claim query is the dispatcher's own and claims them; the
+record once, and its query shows the rows sent.  Section 5: the handler posts
+real outbox rows; the claim query is dedup's own and claims them; the
 dispatcher command delivers them to a receiver; the receiver recipe refuses a
 lower token and ignores repeats; the operator's queries show what the page says
 they show.
@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from dedup_services import notifications, outbox, receiver, service
+from dedup_services import notifications, receiver, service
 
 import dedup
+from dedup.data import _sql as sql
 from dedup_dev import docs as docs_support
 from dedup_dev import effects, helpers
 from dedup_dev import kafka as kafka_support
@@ -139,23 +140,24 @@ async def test_every_snippet_of_the_outbox_howto_works(dsn: str, pool: Any) -> N
     async with pool.acquire() as conn:
         for nid in ("n1", "n2", "n3", "n1"):
             async with conn.transaction():
-                await namespace["write"](message(nid), dedup.Tx(conn, 7))
-    rows = await pool.fetch(
-        "SELECT idempotency_key, source_token, status FROM notifications.outbox"
-    )
-    assert sorted(tuple(r) for r in rows) == [(f"n{i}", 7, "pending") for i in (1, 2, 3)]
+                tx = dedup.Tx(conn, 7, namespace="notifications", source=message(nid))
+                await namespace["write"](message(nid), tx)
+    rows = await pool.fetch(f"SELECT key, token, status {NOTIFICATIONS}")
+    assert sorted(tuple(r) for r in rows) == [(key_of(f"n{i}"), 7, "pending") for i in (1, 2, 3)]
 
     # 2. The claim query is the dispatcher's; it claims each row once.
-    assert squeeze(claim) == squeeze(outbox.CLAIM)
-    claimed = await pool.fetch(claim, "doc", 10, 30.0)
-    assert sorted((r["idempotency_key"], r["claim_token"]) for r in claimed) == [
-        ("n1", 1),
-        ("n2", 1),
-        ("n3", 1),
+    assert squeeze(claim) == squeeze(uncommented(sql._texts()["outbox_http_claim"]))
+    claim_query = sql.Queries().outbox_http_claim
+    due = {"holder": "doc", "destinations": ["notifications"], "limit": 10, "ttl": 30.0}
+    claimed = await claim_query.fetch(pool, **due)
+    assert sorted((r["key"], r["claim_token"]) for r in claimed) == [
+        (key_of("n1"), 1),
+        (key_of("n2"), 1),
+        (key_of("n3"), 1),
     ]
-    assert await pool.fetch(claim, "doc", 10, 30.0) == [], "claimed rows are not due"
+    assert await claim_query.fetch(pool, **due) == [], "claimed rows are not due"
     # That claimer "died": its claims run out.
-    await pool.execute("UPDATE notifications.outbox SET claimed_until = now() - interval '1s'")
+    await pool.execute("UPDATE dedup.outbox SET claimed_until = now() - interval '1s'")
 
     # 3. The dispatcher command delivers them, under the next claim token.
     async with receiver.Receiver(pool) as downstream:
@@ -170,7 +172,7 @@ async def test_every_snippet_of_the_outbox_howto_works(dsn: str, pool: Any) -> N
             await helpers.wait_for(lambda: sent(pool, 3), what="the outbox sent")
             assert await dispatcher.stop() == 0, await dispatcher.stderr()
     delivered = await pool.fetch("SELECT idempotency_key, first_token FROM receiver.notifications")
-    assert sorted(tuple(r) for r in delivered) == [("n1", 2), ("n2", 2), ("n3", 2)]
+    assert sorted(tuple(r) for r in delivered) == [(key_of(f"n{i}"), 2) for i in (1, 2, 3)]
 
     # 4. The receiver recipe.
     await pool.execute(table)
@@ -183,23 +185,29 @@ async def test_every_snippet_of_the_outbox_howto_works(dsn: str, pool: Any) -> N
 
     # 5. What you see: one more notification, not sent yet.
     async with pool.acquire() as conn, conn.transaction():
-        await namespace["write"](message("n4"), dedup.Tx(conn, 8))
+        tx = dedup.Tx(conn, 8, namespace="notifications", source=message("n4"))
+        await namespace["write"](message("n4"), tx)
     by_status, unsent = (q for q in outbox_state.split(";") if q.strip())
     assert [tuple(r) for r in await pool.fetch(by_status)] == [("pending", 1, 0), ("sent", 3, 2)]
-    assert [(r["idempotency_key"], r["status"]) for r in await pool.fetch(unsent)] == [
-        ("n4", "pending")
+    assert [(r["key"], r["status"]) for r in await pool.fetch(unsent)] == [
+        (key_of("n4"), "pending")
     ]
     receipts = await pool.fetch(receiver_state)
     assert sorted((r["idempotency_key"], r["repeats"], r["stale"]) for r in receipts) == [
-        ("n1", 0, 0),
-        ("n2", 0, 0),
-        ("n3", 0, 0),
+        (key_of(f"n{i}"), 0, 0) for i in (1, 2, 3)
     ]
 
 
+NOTIFICATIONS = "FROM dedup.outbox WHERE destination = 'notifications'"
+
+
+def key_of(nid: str) -> str:
+    return f"notifications:{nid}:0"
+
+
+def uncommented(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+
+
 async def sent(pool: Any, n: int) -> bool:
-    return bool(
-        await pool.fetchval(
-            "SELECT count(*) = $1 FROM notifications.outbox WHERE status = 'sent'", n
-        )
-    )
+    return bool(await pool.fetchval(f"SELECT count(*) = $1 {NOTIFICATIONS} AND status = 'sent'", n))

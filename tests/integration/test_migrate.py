@@ -138,6 +138,7 @@ async def test_status_and_sql_show_what_is_applied_pending_and_newer(dsn: str, p
         ("dedup", 8, "outbox", "applied"),
         ("dedup", 9, "task_durations", "applied"),
         ("dedup", 10, "outbox_kafka", "applied"),
+        ("dedup", 11, "outbox_http", "applied"),
         ("dedup", 9999, "from_the_future", "newer"),
         ("payments", 1, "ledger", "applied"),
     ]

@@ -381,7 +381,7 @@ async def test_a_task_run_and_a_claim_publish_in_their_own_transactions(pool: An
     ]
 
 
-async def test_publish_refuses_what_it_cannot_send_naming_it(pool: Any) -> None:
+async def test_publish_and_post_refuse_what_they_cannot_send_naming_it(pool: Any) -> None:
     msg = dedup.Message(
         topic="t", partition=0, offset=0, key=None, value=b"{}", headers={}, timestamp=0,
         idempotency_key="k",
@@ -397,6 +397,12 @@ async def test_publish_refuses_what_it_cannot_send_naming_it(pool: Any) -> None:
             await tx.publish("out", b"v", headers={"dedup-key": b"mine"})
         with pytest.raises(dedup.ConfigurationError, match="topic must be a topic name"):
             await tx.publish("", b"v")
+        with pytest.raises(dedup.ConfigurationError, match="payload is not JSON"):
+            await tx.post("receiver", b"not json")
+        with pytest.raises(dedup.ConfigurationError, match="destination must be"):
+            await tx.post("", {"a": 1})
+        with pytest.raises(dedup.ConfigurationError, match=r"source=msg"):
+            await batch.post("receiver", {"a": 1})
     async with pool.acquire() as conn:
         with pytest.raises(dedup.ConfigurationError, match="inside the transaction"):
             await dedup.Tx(conn, 1, namespace="n", source=msg).publish("out", b"v")

@@ -141,7 +141,7 @@ async def test_audit_and_events_work_under_the_read_only_role(
 
     refused = run_cli("purge", "--older-than", "1d", dsn=auditor)
     assert refused.returncode == 2
-    assert "this role may not delete from processed and dead_letters" in refused.stderr
+    assert "this role may not delete from processed, dead_letters and outbox" in refused.stderr
 
     conn = await asyncpg.connect(auditor)
     try:
@@ -492,9 +492,10 @@ async def test_upgrading_keeps_the_shared_roles_working_and_adds_the_schemas_own
         "applied dedup/0008_outbox.sql\n"
         "applied dedup/0009_task_durations.sql\n"
         "applied dedup/0010_outbox_kafka.sql\n"
+        "applied dedup/0011_outbox_http.sql\n"
         f"schema dedup: its tables are granted to runtime role {database}_dedup_runtime and "
         f"audit role {database}_dedup_audit\n"
-        "schema dedup is up to date (7 applied now)\n"
+        "schema dedup is up to date (8 applied now)\n"
     )
     conn = await asyncpg.connect(dsn)
     try:

@@ -15,10 +15,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from dedup_services import notifications, outbox, receiver, service
+from dedup_services import notifications, receiver, service
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
+from dedup import _dispatcher as dispatcher_
 from dedup_dev import effects as consumer_support
 from dedup_dev import helpers
 from dedup_dev import service_process as service_support
@@ -37,17 +38,29 @@ STREAM = [notification(f"n{i}") for i in range(5)]
 @contextlib.asynccontextmanager
 async def dispatching(
     pool: Any, url: str, holder: str | None = None, **options: Any
-) -> AsyncIterator[outbox.Dispatcher]:
-    """An in-process dispatcher, stopped (its sends finished) on the way out."""
-    settings = outbox.Settings(**{"retry_base": 0.05, "poll_interval": 0.05, **options})
-    dispatcher = outbox.Dispatcher(pool, receiver_url=url, holder=holder, settings=settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(dispatcher.run(stop))
+) -> AsyncIterator[dedup.Dispatcher]:
+    """An in-process dispatcher of the notifications, stopped (its sends finished) on the way
+    out."""
+    dispatcher = dedup.Dispatcher(
+        pool=pool,
+        destinations={notifications.DESTINATION: url},
+        holder=holder,
+        **{"retry_base": 0.05, "poll_interval": 0.05, **options},
+    )
+    task = asyncio.create_task(dispatcher.run())
     try:
         yield dispatcher
     finally:
-        stop.set()
+        await dispatcher.stop()
         await task
+
+
+def key_of(nid: str) -> str:
+    """The outbox row key (and the receiver's Idempotency-Key) of notification ``nid``."""
+    return f"notifications:{nid}:0"
+
+
+NOTIFICATIONS = "FROM dedup.outbox WHERE destination = 'notifications'"
 
 
 async def delivered(pool: Any) -> dict[str, tuple[int, int, int, int]]:
@@ -60,11 +73,7 @@ async def delivered(pool: Any) -> dict[str, tuple[int, int, int, int]]:
 
 
 async def all_sent(pool: Any, n: int) -> bool:
-    return bool(
-        await pool.fetchval(
-            "SELECT count(*) = $1 FROM notifications.outbox WHERE status = 'sent'", n
-        )
-    )
+    return bool(await pool.fetchval(f"SELECT count(*) = $1 {NOTIFICATIONS} AND status = 'sent'", n))
 
 
 async def test_duplicates_replays_and_two_dispatchers_deliver_each_once(
@@ -94,12 +103,10 @@ async def test_duplicates_replays_and_two_dispatchers_deliver_each_once(
         await helpers.wait_for(lambda: all_sent(pool, len(STREAM)), what="the outbox sent")
 
     assert consumer.stats["processed"] == len(STREAM)
-    assert await pool.fetchval("SELECT count(*) FROM notifications.outbox") == len(STREAM)
+    assert await pool.fetchval(f"SELECT count(*) {NOTIFICATIONS}") == len(STREAM)
     # Each delivered once, under its second claim (the first got a 503 and was retried).
-    assert await delivered(pool) == {n["notification_id"]: (2, 2, 0, 0) for n in STREAM}
-    rows = await pool.fetch(
-        "SELECT attempts, claim_token, response_status FROM notifications.outbox"
-    )
+    assert await delivered(pool) == {key_of(n["notification_id"]): (2, 2, 0, 0) for n in STREAM}
+    rows = await pool.fetch(f"SELECT attempts, claim_token, response_status {NOTIFICATIONS}")
     assert {tuple(r) for r in rows} == {(2, 2, 201)}
     stats = first.stats + second.stats
     assert (stats["sent"], stats["retried"], stats["failed"]) == (5, 5, 0)
@@ -142,9 +149,7 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
             assert (token, status) == ("1", "201")
             await doomed.stop(signal.SIGKILL)
         assert await delivered(pool) == {key: (1, 1, 0, 0)}
-        row = await pool.fetchrow(
-            "SELECT status, claimed_by FROM notifications.outbox WHERE idempotency_key = $1", key
-        )
+        row = await pool.fetchrow(f"SELECT status, claimed_by {NOTIFICATIONS} AND key = $1", key)
         assert row["status"] == "pending" and row["claimed_by"], "sent, but never marked"
 
         # Another dispatcher finishes the outbox; the killed one's claim expires first.
@@ -152,7 +157,7 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
             await helpers.wait_for(lambda: all_sent(pool, len(STREAM)), what="the outbox sent")
 
     receipts = await delivered(pool)
-    assert sorted(receipts) == sorted(n["notification_id"] for n in STREAM)
+    assert sorted(receipts) == sorted(key_of(n["notification_id"]) for n in STREAM)
     # The killed send's row went again under the next token; the receiver ignored it.
     assert receipts.pop(key) == (1, 2, 1, 0)
     assert set(receipts.values()) == {(1, 1, 0, 0)}
@@ -166,9 +171,9 @@ async def test_a_dispatcher_killed_between_send_and_mark_does_not_deliver_twice(
 
 
 async def outbox_rows(pool: Any, n: int) -> bool:
-    if await pool.fetchval("SELECT to_regclass('notifications.outbox')") is None:
+    if await pool.fetchval("SELECT to_regclass('notifications.written')") is None:
         return False  # the service has not applied its migration yet
-    return bool(await pool.fetchval("SELECT count(*) = $1 FROM notifications.outbox", n))
+    return bool(await pool.fetchval(f"SELECT count(*) = $1 {NOTIFICATIONS}", n))
 
 
 async def test_the_receiver_refuses_a_lower_token_and_ignores_repeats(pool: Any) -> None:
@@ -177,7 +182,7 @@ async def test_the_receiver_refuses_a_lower_token_and_ignores_repeats(pool: Any)
 
     async def send(token: str | None, key: str = "k") -> int:
         headers = {"Idempotency-Key": key, **({"X-Fencing-Token": token} if token else {})}
-        return await asyncio.to_thread(outbox.post, downstream.url, body, headers, 5.0)
+        return await asyncio.to_thread(dispatcher_.post, downstream.url, body, headers, 5.0)
 
     async with receiver.Receiver(pool) as downstream:
         assert [await send(t) for t in ("2", "1", "2", "3", "1", None)] == [
