@@ -260,3 +260,33 @@ async def _rate(counter: Callable[[], Awaitable[int]], work: Callable[[], Awaita
 
 async def _above(counter: Callable[[], Awaitable[int]], n: int) -> bool:
     return await counter() >= n
+
+
+async def test_sent_outbox_rows_before_the_cutoff_go_and_pending_or_failed_ones_stay(
+    dsn: str, pool: Any
+) -> None:
+    # Old and sent; sent just after the cutoff; old but pending; old and failed.
+    rows = [
+        ("sent-old", "sent", T - datetime.timedelta(days=9)),
+        ("sent-new", "sent", T + TICK),
+        ("pending-old", "pending", None),
+        ("failed-old", "failed", None),
+    ]
+    for key, status, sent_at in rows:
+        await pool.execute(
+            "INSERT INTO dedup.outbox (key, sink, destination, value, status, sent_at, created_at)"
+            " VALUES ($1, 'kafka', 'payment-applied', '\\x7b7d', $2, $3, $4)",
+            key,
+            status,
+            sent_at,
+            T - datetime.timedelta(days=10),
+        )
+
+    dry = json_out(run_cli("purge", "--before", "2026-11-30T10:00:00Z", "--dry-run",
+                           "--format", "json", dsn=dsn))  # fmt: skip
+    done = run_cli("purge", "--before", "2026-11-30T10:00:00Z", "--format", "json", dsn=dsn)
+
+    assert done.returncode == 0, done.stderr
+    assert dry["purged"]["outbox"] == json_out(done)["purged"]["outbox"] == 1
+    left = await pool.fetch("SELECT key FROM dedup.outbox ORDER BY key")
+    assert [r["key"] for r in left] == ["failed-old", "pending-old", "sent-new"]
