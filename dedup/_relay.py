@@ -70,11 +70,13 @@ DEFAULT_STATE_TOPIC = "dedup-relay-state"
 DEFAULT_LEASE_TTL = 10.0
 """Seconds a relay's lease lasts unrenewed: how long a dead holder's rows wait."""
 DEFAULT_BATCH_SIZE = 500
+"""Rows read, published and marked per batch: one Postgres read and one mark per batch."""
 DEFAULT_POLL_INTERVAL = 0.1
 """Seconds between looks for new rows when there were none."""
 BACKLOG_EVERY = 5.0
 """Seconds between reads of the backlog for ``dedup.outbox.pending`` and its age."""
 MAX_BACKOFF = 5.0
+"""Seconds a held-back batch waits at most before it is tried again (0.1 doubling)."""
 PERMANENT = (
     aiokafka.errors.MessageSizeTooLargeError,
     aiokafka.errors.RecordTooLargeError,
