@@ -33,9 +33,7 @@ import collections
 import contextlib
 import http.client
 import logging
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,15 +44,13 @@ from dedup import _errors as errors
 from dedup import _faults as faults
 from dedup import _leases as leases
 from dedup import _limits as limits
+from dedup import _outbox as outbox
 from dedup import _telemetry as telemetry
 from dedup.data import _db as db
 from dedup.data import _migrations as migrations
 from dedup.data import _sql as sql
 
 log = logging.getLogger("dedup.dispatcher")
-
-RETRY_STATUSES = frozenset({408, 425, 429})
-"""4xx answers worth trying again later; any other 4xx will never be accepted."""
 
 
 @dataclass(frozen=True)
@@ -71,18 +67,6 @@ class Delivery:
     """The fencing token of this claim: the ``X-Fencing-Token``."""
     attempts: int
     """Claims so far, this one included."""
-
-
-def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> int:
-    """POST ``body``; the HTTP status (blocking: run it in a thread)."""
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
-            response.read()
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        exc.read()
-        return int(exc.code)
 
 
 class Dispatcher:
@@ -225,7 +209,7 @@ class Dispatcher:
             propagate.inject(headers)
             try:
                 status = await asyncio.to_thread(
-                    post, url, delivery.payload.encode(), headers, self.timeout
+                    outbox.http_post, url, delivery.payload.encode(), headers, self.timeout
                 )
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 span.set_attribute("error.type", type(exc).__name__)
@@ -244,7 +228,7 @@ class Dispatcher:
             elif status == 409:
                 log.info("%s: the receiver has a newer token than %s", delivery.key, delivery.token)
                 self._count("stale")
-            elif 400 <= status < 500 and status not in RETRY_STATUSES:
+            elif 400 <= status < 500 and status not in outbox.RETRIED:
                 span.set_attribute("error.type", str(status))
                 await self._q.outbox_http_fail.execute(
                     self._active, id=delivery.id, token=delivery.token, status=status,

@@ -157,14 +157,9 @@ class Tx:
         ``NAMESPACE:KEY:N`` (the Nth record of the message), which the relay
         sends as the ``dedup-key`` header.
         """
-        origin = source or self.source
-        if origin is None:
-            raise errors.ConfigurationError(
-                "tx.publish in a batch handler: name the message the record comes from, "
-                "tx.publish(topic, value, source=msg)"
-            )
-        return await _publish(
-            self.conn, self.schema, self.namespace, self.token, origin, self._published,
+        row_key, origin = self._next_row("tx.publish(topic, value, source=msg)", source)
+        return await outbox.publish(
+            self.conn, self.schema, row_key=row_key, source=origin, token=self.token,
             topic=topic, value=value, key=key, headers=headers,
         )  # fmt: skip
 
@@ -177,7 +172,22 @@ class Tx:
         names the message it comes from (``source=msg``).  Returns the row key
         ``NAMESPACE:KEY:N``, sent as the ``Idempotency-Key`` header.
         """
-        return await _post(self, destination, payload, source)
+        row_key, origin = self._next_row("tx.post(destination, payload, source=msg)", source)
+        return await outbox.post(
+            self.conn, self.schema, row_key=row_key, source=origin, token=self.token,
+            destination=destination, payload=payload,
+        )  # fmt: skip
+
+    def _next_row(self, call: str, source: Message | None) -> tuple[str, str]:
+        """The next outbox row key of this transaction, for ``source`` or the handler's message;
+        and the source's key.  A batch handler must name it (``call`` says how)."""
+        origin = source or self.source
+        if origin is None:
+            raise errors.ConfigurationError(
+                f"{call.partition('(')[0]} in a batch handler: name the message it comes "
+                f"from, {call}"
+            )
+        return _next_row(self.namespace, origin, self._published)
 
     async def lock(self, *keys: str) -> None:
         """Lock ``keys`` of the namespace until the transaction ends, in one statement.
@@ -196,38 +206,13 @@ class Tx:
         )
 
 
-async def _post(tx: Tx, destination: str, payload: Any, source: Message | None) -> str:
-    origin = source or tx.source
-    if origin is None:
-        raise errors.ConfigurationError(
-            "tx.post in a batch handler: name the message it comes from, "
-            "tx.post(destination, payload, source=msg)"
-        )
-    n = tx._published[0]
-    tx._published[0] += 1
-    prefix = f"{tx.namespace}:{origin.idempotency_key}"
-    return await outbox.post(
-        tx.conn, tx.schema, row_key=f"{prefix}:{n}", destination=destination,
-        payload=payload, source=prefix, token=tx.token,
-    )  # fmt: skip
-
-
-async def _publish(
-    conn: asyncpg.Connection,
-    schema: str,
-    namespace: str,
-    token: int,
-    origin: Message,
-    published: list[int],
-    **record: Any,
-) -> str:
-    """The outbox row of ``record`` from ``origin``, the ``published[0]``-th of its transaction."""
+def _next_row(namespace: str, origin: Message, published: list[int]) -> tuple[str, str]:
+    """``NAMESPACE:KEY:N``, the ``published[0]``-th outbox row of its transaction (counted);
+    and ``NAMESPACE:KEY``, its source."""
     n = published[0]
     published[0] += 1
     source = f"{namespace}:{origin.idempotency_key}"
-    return await outbox.publish(
-        conn, schema, row_key=f"{source}:{n}", source=source, token=token, **record
-    )
+    return f"{source}:{n}", source
 
 
 class Outcome(enum.Enum):
@@ -315,7 +300,8 @@ class ClaimResult:
         """:meth:`Tx.publish` for a fresh message ``source``, in the claim's transaction ``conn``
         (asyncpg, or the SQLAlchemy connection or session :func:`dedup.claim` was given)."""
         driver = await drivers.in_transaction(conn, "ClaimResult.publish")
-        return await _publish(
-            driver, self.schema, self.namespace, 0, source, self._published,
+        row_key, origin = _next_row(self.namespace, source, self._published)
+        return await outbox.publish(
+            driver, self.schema, row_key=row_key, source=origin, token=0,
             topic=topic, value=value, key=key, headers=headers,
         )  # fmt: skip

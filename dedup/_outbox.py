@@ -8,8 +8,8 @@ alerts once.  :func:`send` takes the pending rows no other sender holds
 and marks it in the same transaction:
 
 - a 2xx answer: ``sent``;
-- another 4xx than 408 and 429: ``failed``, it will never be accepted;
-- anything else (5xx, 408, 429, a timeout, no connection): still ``pending``,
+- another 4xx than 408, 425 and 429: ``failed``, it will never be accepted;
+- anything else (5xx, 408, 425, 429, a timeout, no connection): still ``pending``,
   with the error, for the next :func:`send`.
 
 A sender that dies between its POST and its COMMIT leaves the row pending and
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.client
 import logging
 import urllib.error
 import urllib.request
@@ -56,8 +57,8 @@ KEY_HEADER = "dedup-key"
 TOKEN_HEADER = "dedup-token"  # noqa: S105 - a header name, not a secret
 """The header that carries the fencing token its source was applied under."""
 Headers = Mapping[str, bytes | str | None] | Iterable[tuple[str, bytes | str | None]]
-RETRIED = frozenset({408, 429})
-"""4xx answers that say "later", not "never"."""
+RETRIED = frozenset({408, 425, 429})
+"""4xx answers that say "later", not "never" (every HTTP sender of the outbox)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,27 +120,33 @@ async def send(
     return done
 
 
-def _post(url: str, key: str, body: bytes, timeout: float) -> tuple[str, str | None]:
-    """POST ``body`` as JSON; (status, error) for the row (blocking: run it in a thread)."""
-    request = urllib.request.Request(  # noqa: S310 - the URL is the operator's configuration
-        url,
-        data=body,
-        headers={"Content-Type": "application/json", "Idempotency-Key": key},
-        method="POST",
-    )
+def http_post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> int:
+    """POST ``body``; the HTTP status (blocking: run it in a thread).  No connection, a
+    timeout, a URL urllib can't use: ``OSError`` (``URLError``), ``ValueError``."""
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
             response.read()
-            return "sent", None
+            return int(response.status)
     except urllib.error.HTTPError as exc:
         exc.read()
-        if 400 <= exc.code < 500 and exc.code not in RETRIED:
-            return "failed", f"HTTP {exc.code}: never accepted"
-        return "pending", f"HTTP {exc.code}"
+        return int(exc.code)
+
+
+def _post(url: str, key: str, body: bytes, timeout: float) -> tuple[str, str | None]:
+    """POST ``body`` as JSON; (status, error) for the row (blocking: run it in a thread)."""
+    headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+    try:
+        code = http_post(url, body, headers, timeout)
     except urllib.error.URLError as exc:  # no connection, no such host
         return "pending", str(exc.reason)
-    except (OSError, ValueError) as exc:  # a timeout, a URL urllib can't use
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # a timeout, a bad URL
         return "pending", f"{type(exc).__name__}: {exc}"
+    if 200 <= code < 300:
+        return "sent", None
+    if 400 <= code < 500 and code not in RETRIED:
+        return "failed", f"HTTP {code}: never accepted"
+    return "pending", f"HTTP {code}"
 
 
 async def publish(

@@ -201,8 +201,7 @@ class Relay:
             lease = None
         if lease is None:
             self.stats.waited += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), timeout=self.lease_ttl / 3)
+            await self._pause(self.lease_ttl / 3)
         return lease
 
     async def _hold(self, pool: Any, book: leases.Leases, lease: leases.Lease) -> None:

@@ -19,7 +19,7 @@ from dedup_services import notifications, receiver, service
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import dedup
-from dedup import _dispatcher as dispatcher_
+from dedup import _outbox as outbox
 from dedup_dev import effects as consumer_support
 from dedup_dev import helpers
 from dedup_dev import service_process as service_support
@@ -182,7 +182,7 @@ async def test_the_receiver_refuses_a_lower_token_and_ignores_repeats(pool: Any)
 
     async def send(token: str | None, key: str = "k") -> int:
         headers = {"Idempotency-Key": key, **({"X-Fencing-Token": token} if token else {})}
-        return await asyncio.to_thread(dispatcher_.post, downstream.url, body, headers, 5.0)
+        return await asyncio.to_thread(outbox.http_post, downstream.url, body, headers, 5.0)
 
     async with receiver.Receiver(pool) as downstream:
         assert [await send(t) for t in ("2", "1", "2", "3", "1", None)] == [
