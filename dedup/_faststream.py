@@ -6,7 +6,9 @@ delivery.  In it the record's key is claimed with :func:`dedup.claim` and, when
 fresh, the subscriber runs with that transaction at hand, through FastStream's
 own context (``tx: dedup.Tx = Context("dedup_tx")``), so the claim and the
 handler's writes commit or roll back together.  Duplicates return before the
-handler runs and FastStream acknowledges them as usual.
+handler runs and FastStream acknowledges them as usual; each suppressed copy
+is logged on FastStream's own logger, between its ``Received`` and
+``Processed`` lines, so the log tells a duplicate from work.
 
 There is no partition lease: Kafka's offsets are FastStream's, so nothing here
 can refuse a zombie member's transaction (``tx.token`` is 0).  The key claim
@@ -180,6 +182,7 @@ class FastStreamDedup:
         pool = await self._get_pool()
         async with pool.acquire() as conn, conn.transaction():
             claimed = await wrap_.claim(conn, records, **self._claim_options)
+            _log_suppressed(context, claimed)
             if not claimed.fresh:
                 return None
             fresh = _narrowed(msg, records, claimed.fresh) if batch else msg
@@ -237,6 +240,31 @@ class _HandlerFailed(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+def _log_suppressed(context: Any, claimed: message_.ClaimResult) -> None:
+    """One line per copy not handed to the subscriber, on FastStream's logger (else dedup's)."""
+    logger = context.get_local("logger") or log
+    extra = context.get_local("log_context", {})
+    dead = {(m.topic, m.partition, m.offset) for m in claimed.dead_lettered}
+    for msg in claimed.duplicates:
+        logger.info(
+            "duplicate of key %r suppressed: applied before, subscriber not run",
+            msg.idempotency_key,
+            extra=extra,
+        )
+    for msg in claimed.conflicts:
+        where = (msg.topic, msg.partition, msg.offset)
+        fate = "dead-lettered" if where in dead else "recorded"
+        dead.discard(where)
+        logger.warning(
+            "conflict on key %r: applied before with another payload; %s, subscriber not run",
+            msg.idempotency_key,
+            fate,
+            extra=extra,
+        )
+    for _ in dead:
+        logger.warning("record without a key: dead-lettered, subscriber not run", extra=extra)
 
 
 def _where(records: Sequence[Any]) -> str:

@@ -9,8 +9,11 @@ They are found in this order:
 
 Nothing is skipped: a test that can't reach a service fails and says how to
 start it.  Each integration test gets its own database, cloned from a template
-migrated once per run, and its own topics.  Nothing here writes ``PG*`` or
-``DEDUP_*`` into ``os.environ``; tests that want a DSN take a fixture.
+migrated once per run, and its own topics; but the tests of the docs' pages
+(marked ``docs_page``) share one database, in the order pytest runs them, as a
+reader who follows one page after another has one database.  Nothing here
+writes ``PG*`` or ``DEDUP_*`` into ``os.environ``; tests that want a DSN take a
+fixture.
 
 Tests that take ``pgbouncer_dsn`` reach their database through pgbouncer in
 transaction mode: ``DEDUP_PGBOUNCER_DSN`` (yours, in front of the Postgres of
@@ -124,14 +127,36 @@ def template_database(services: Services) -> Iterator[str]:
     asyncio.run(database.drop(services.dsn, name))
 
 
+@pytest.fixture(scope="session")
+def docs_database(services: Services, template_database: str) -> Iterator[str]:
+    """The one migrated database every ``docs_page`` test of the run works in, page after page.
+
+    Each page's tables, topics, groups, namespaces and task codes are its own
+    (tests/unit/test_docs_names.py), so the pages give their documented
+    numbers whatever ran before them on this database.
+    """
+    name = database.unique_name("dedup_docs_")
+    with _reachable():
+        made = asyncio.run(database.create(services.dsn, name, template=template_database))
+    yield made
+    asyncio.run(database.drop(services.dsn, name))
+
+
 @pytest.fixture
-async def dsn(services: Services, template_database: str) -> AsyncIterator[str]:
+async def fresh_database(services: Services, template_database: str) -> AsyncIterator[str]:
     """A fresh, migrated database for this test alone."""
     name = database.unique_name("dedup_t_")
     with _reachable():
         made = await database.create(services.dsn, name, template=template_database)
     yield made
     await database.drop(services.dsn, name)
+
+
+@pytest.fixture
+def dsn(request: pytest.FixtureRequest) -> str:
+    """This test's database: a fresh one, or the docs' database for a ``docs_page`` test."""
+    docs_page = request.node.get_closest_marker("docs_page") is not None
+    return str(request.getfixturevalue("docs_database" if docs_page else "fresh_database"))
 
 
 @pytest.fixture(scope="session")

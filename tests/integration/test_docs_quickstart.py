@@ -12,6 +12,7 @@ import asyncio
 from typing import Any
 
 import orjson
+import pytest
 from aiokafka import AIOKafkaConsumer
 
 import dedup
@@ -21,6 +22,9 @@ from dedup_dev.kafka import Topics
 from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "quickstart.md"
+
+# This page runs on the run's one docs database, after the pages before it (tests/conftest.py).
+pytestmark = pytest.mark.docs_page
 
 
 def fragments() -> tuple[str, str, str]:
@@ -51,7 +55,7 @@ async def test_quickstart_batch_handler_and_wrap_loop_apply_each_payment_once(
     consumer = dedup.IdempotentConsumer(
         namespace["apply_payments"],
         topics=[batch_topic],
-        group_id="batched",
+        group_id="quickstart-batched",
         bootstrap_servers=bootstrap_servers,
         pool=pool,
         key=dedup.keys.json_field("payment_id"),
@@ -74,7 +78,7 @@ async def test_quickstart_batch_handler_and_wrap_loop_apply_each_payment_once(
     kafka = AIOKafkaConsumer(
         wrap_topic,
         bootstrap_servers=bootstrap_servers,
-        group_id="wrapped",
+        group_id="quickstart-wrapped",
         auto_offset_reset="earliest",
         enable_auto_commit=False,
     )
@@ -95,6 +99,6 @@ async def _wrapped(pool: Any) -> bool:
     return bool(
         await pool.fetchval(
             "SELECT duplicates = 2 FROM dedup.processed"
-            " WHERE namespace = 'quickstart' AND idempotency_key = 'pay-1001'"
+            " WHERE namespace = 'quickstart-app' AND idempotency_key = 'pay-1001'"
         )
     )

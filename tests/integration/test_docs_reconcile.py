@@ -1,13 +1,15 @@
 """Every snippet of docs/howto/reconcile.md runs, in page order, and prints what the page shows.
 
-From a database without the services' tables: the page's own ledger, written to statements by the
-page's command; the page's outputs are compared with the real ones line for
+On the docs' database, whatever pages ran before: the page's own ledger (of
+October: the bundled services' page has November's), written to statements
+by the page's command; the page's outputs are compared with the real ones line for
 line, the planted mismatch is the page's own DELETE, the user's check module,
 its tables and its entry point are the page's, run from a project folder.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib.metadata
 import os
 import sys
@@ -16,14 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 import dedup
 from dedup_dev import docs as docs_support
 from dedup_dev import service_process as service_support
 from dedup_dev.services import ROOT
-from tests.integration.test_service_statements import DAY
 
 PAGE = ROOT / "docs" / "howto" / "reconcile.md"
+DAY = "2026-10-31"
+"""The page's business date (the bundled services' page has November's)."""
+
+# This page runs on the run's one docs database, after the pages before it (tests/conftest.py).
+pytestmark = pytest.mark.docs_page
 
 
 async def test_every_snippet_of_the_reconcile_howto_works(
@@ -69,17 +76,20 @@ async def test_every_snippet_of_the_reconcile_howto_works(
     code, out, err = await sh(write_statements)
     assert code == 0, (out, err)
     written = await pool.fetch(
-        "SELECT account, payments, rejected, total FROM statements.statements ORDER BY account"
+        "SELECT account, payments, rejected, total FROM statements.statements"
+        " WHERE business_date = $1 ORDER BY account",
+        dt.date.fromisoformat(DAY),
     )
     assert [tuple(r) for r in written] == [("acc-1", 1, 0, 2500), ("acc-2", 1, 1, 400)]
 
+    earlier = len(await pool.fetch(events_query))  # the pages before this one may have run checks
     assert await sh(command) == (0, ok_output, "")
     await pool.execute(lose_a_row)
     assert await sh(command) == (1, mismatch_output, "")
     code, out, _ = await sh(json_command)
     assert code == 1 and orjson.loads(out) == orjson.loads(json_output)
 
-    recorded = await pool.fetch(events_query)
+    recorded = (await pool.fetch(events_query))[earlier:]
     assert [(r["kind"], r["task"], r["business_date"]) for r in recorded] == [
         ("reconcile_ok", "statements", DAY),
         ("reconcile_mismatch", "statements", DAY),
@@ -113,7 +123,7 @@ async def test_every_snippet_of_the_reconcile_howto_works(
     finally:
         sys.path.remove(str(project))
         sys.modules.pop("nightly_checks", None)
-    assert isinstance(check, dedup.ReconcileCheck) and check.task == entry[0] == "orders"
+    assert isinstance(check, dedup.ReconcileCheck) and check.task == entry[0] == "order-invoices"
 
     # From Python: the same report, and the exit code of a mismatch.
     code, out, err = await service_support.run(

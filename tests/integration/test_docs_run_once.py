@@ -1,4 +1,4 @@
-"""Every snippet of docs/howto/run-once.md runs, in page order, against a fresh database.
+"""Every snippet of docs/howto/run-once.md runs, in page order, on the docs' database.
 
 The page's code blocks are taken from the Markdown itself: the table, the job
 module, the crontab (its command run the way cron runs it, on three "machines"
@@ -16,10 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from dedup_dev import docs as docs_support
 from dedup_dev import helpers
 from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "run-once.md"
+
+# This page runs on the run's one docs database, after the pages before it (tests/conftest.py).
+pytestmark = pytest.mark.docs_page
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
@@ -79,6 +85,7 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "sh",
         "python",
         "sql",
+        "console",
         "python",
         "sh",
         "sh",
@@ -90,9 +97,9 @@ async def test_every_snippet_of_the_run_once_howto_works(
         "sh",
     ]
     texts = [text for _, text in blocks]
-    table, job, cron, shell, rerun, queries, downstream = texts[:7]
-    schedule, scheduler, embedded, schedule_events = texts[7:11]
-    batch_job, batch_run, step_events, stats = texts[11:]
+    table, job, cron, shell, rerun, queries, events, downstream = texts[:8]
+    schedule, scheduler, embedded, schedule_events = texts[8:12]
+    batch_job, batch_run, step_events, stats = texts[12:]
 
     # 1. The table.
     await pool.execute(table)
@@ -113,10 +120,12 @@ async def test_every_snippet_of_the_run_once_howto_works(
     fired = await asyncio.gather(*(sh(command, cwd=home, env=env) for _ in range(3)))
     codes = sorted(code for code, _, _ in fired)
     assert codes[0] == 0 and set(codes[1:]) <= {3, 4}, fired
-    key = await pool.fetchval("SELECT business_key FROM dedup.tasks WHERE task = 'statements'")
+    key = await pool.fetchval(
+        "SELECT business_key FROM dedup.tasks WHERE task = 'customer-statements'"
+    )
     assert dt.date.fromisoformat(key) == dt.date.today() - dt.timedelta(days=1)
     assert await pool.fetch(
-        "SELECT account, total, fence_token FROM statements ORDER BY account"
+        "SELECT account, total, fence_token FROM customer_statements ORDER BY account"
     ) == [("acme", 120, 1), ("globex", 80, 1)]
 
     # 4. The shell line: the run, then a rerun that skips, both count as success.
@@ -143,6 +152,13 @@ async def test_every_snippet_of_the_run_once_howto_works(
     assert [(e["holder"], e["token"], e["from_state"]) for e in forced] == [
         ("ops-laptop", 2, "succeeded")
     ]
+    # The same story, from `dedup events`.
+    [(command, expected)] = docs_support.console(events)
+    code, out, err = await sh(command, cwd=billing, env=env)
+    assert code == 0, err
+    # (a table's widths follow its values: the holders' names are this machine's)
+    pattern = docs_support.expected_pattern(docs_support.columns(expected))
+    assert pattern.fullmatch(docs_support.columns(out)), f"{command}:\n{out}\npage:\n{expected}"
 
     # 7. The downstream service refuses the older token and accepts the newer.
     namespace: dict[str, Any] = {}
@@ -155,14 +171,15 @@ async def test_every_snippet_of_the_run_once_howto_works(
         assert await accept(conn, day, "acme", 122, 3) == 200
         assert await accept(conn, day, "acme", 999, 2) == 409
     assert await pool.fetchrow(
-        "SELECT total, fence_token FROM statements WHERE business_date = $1 AND account = 'acme'",
+        "SELECT total, fence_token FROM customer_statements"
+        " WHERE business_date = $1 AND account = 'acme'",
         day,
     ) == (122, 3)
 
     # 8. The schedule and its backfill: the 29th and 30th run, the 31st was done.
     code, out, err = await sh(schedule, cwd=billing, env=env)
     assert code == 0, err
-    assert out.splitlines()[0] == "schedule statements: added"
+    assert out.splitlines()[0] == "schedule customer-statements: added"
     assert [line.split()[4] for line in out.splitlines()[1:]] == [
         "succeeded",
         "succeeded",
@@ -170,9 +187,11 @@ async def test_every_snippet_of_the_run_once_howto_works(
     ]
     again = await sh(schedule, cwd=billing, env=env)
     assert again[0] == 0, again
-    assert again[1].splitlines()[0] == "schedule statements: unchanged"
+    assert again[1].splitlines()[0] == "schedule customer-statements: unchanged"
     assert [line.split()[4] for line in again[1].splitlines()[1:]] == ["skipped_done"] * 3
-    days = await pool.fetch("SELECT DISTINCT business_date FROM statements ORDER BY business_date")
+    days = await pool.fetch(
+        "SELECT DISTINCT business_date FROM customer_statements ORDER BY business_date"
+    )
     assert [d["business_date"] for d in days][:3] == [dt.date(2024, 5, d) for d in (29, 30, 31)]
 
     # 9. The scheduler, on three machines and embedded; each stops on SIGTERM.
@@ -228,7 +247,7 @@ async def test_every_snippet_of_the_run_once_howto_works(
     await pool.execute(REFUSE_ACCT_101)
     failed = await sh(batch_run, cwd=billing, env=env)
     assert failed[0] == 1 and "refused acct-101" in failed[2], failed
-    await pool.execute("DROP TRIGGER refuse_acct_101 ON statements")
+    await pool.execute("DROP TRIGGER refuse_acct_101 ON customer_statements")
     rerun_done = await sh(batch_run, cwd=billing, env=env)
     assert rerun_done[0] == 0 and "succeeded (token 2" in rerun_done[1], rerun_done
     steps = [tuple(r) for r in await pool.fetch(step_events)]
@@ -242,12 +261,13 @@ async def test_every_snippet_of_the_run_once_howto_works(
         ("task_step_done", 2, "accounts-200"),
     ]
     sent = await pool.fetch(
-        "SELECT fence_token, count(*) FROM statements WHERE business_date = '2024-06-30'"
+        "SELECT fence_token, count(*) FROM customer_statements WHERE business_date = '2024-06-30'"
         " GROUP BY fence_token ORDER BY fence_token"
     )
     assert [tuple(r) for r in sent] == [(1, 100), (2, 150)]  # each account once
     result = await pool.fetchval(
-        "SELECT result FROM dedup.tasks WHERE task = 'statements' AND business_key = '2024-06-30'"
+        "SELECT result FROM dedup.tasks"
+        " WHERE task = 'customer-statements' AND business_key = '2024-06-30'"
     )
     assert result == {"batches_sent": 3}
 
@@ -256,7 +276,9 @@ async def test_every_snippet_of_the_run_once_howto_works(
     code, out, err = await sh(stats, cwd=billing, env=env)
     assert code == 0, (out, err)
     first, second, third = out.splitlines()
-    assert re.fullmatch(r"task statements: \d+ successful runs; duration p50 .*", first), out
+    assert re.fullmatch(r"task customer-statements: \d+ successful runs; duration p50 .*", first), (
+        out
+    )
     assert second == "lease ttl 30.0 s, renewed every 10.0 s while a run lasts"  # the batch run's
     assert third == "platform timeout 600.0 s (--timeout)"
 
@@ -267,6 +289,6 @@ CREATE FUNCTION refuse_acct_101() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'refused acct-101';
 END $$;
-CREATE TRIGGER refuse_acct_101 BEFORE INSERT ON statements
+CREATE TRIGGER refuse_acct_101 BEFORE INSERT ON customer_statements
     FOR EACH ROW WHEN (NEW.account = 'acct-101') EXECUTE FUNCTION refuse_acct_101();
 """

@@ -22,6 +22,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dedup_dev import docs as docs_support
 from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
@@ -29,6 +31,9 @@ from dedup_dev.kafka import Topics
 from dedup_dev.services import ROOT
 
 PAGE = ROOT / "docs" / "howto" / "sqlalchemy.md"
+
+# This page runs on the run's one docs database, after the pages before it (tests/conftest.py).
+pytestmark = pytest.mark.docs_page
 
 
 @contextlib.contextmanager
@@ -62,7 +67,7 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
     # The page's run.py makes the topic (under this test's name) and the tables.
     topic = f"ledger-{uuid.uuid4().hex[:12]}"
     topics.created.append(topic)
-    group = "ledger"  # consume()'s default, which run.py keeps
+    group = "ledger-payments"  # consume()'s default, which run.py keeps
     env = docs_support.shell_env(dsn, bootstrap_servers) | {"LEDGER_TOPIC": topic}
     assert run_command == "python run.py\n"
     run = await asyncio.create_subprocess_exec(
@@ -114,7 +119,9 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
         ("p2", "acme", d("5.50"), d("15.50"), 1, 2),
         ("p3", "globex", d("7.25"), d("7.25"), 1, 0),
     ]
-    dead = await pool.fetch("SELECT idempotency_key, reason FROM dedup.dead_letters")
+    dead = await pool.fetch(
+        "SELECT idempotency_key, reason FROM dedup.dead_letters WHERE namespace = 'ledger'"
+    )
     assert [r["idempotency_key"] for r in dead] == ["p2"], "the conflicting copy, once"
     assert dead[0]["reason"].startswith("conflict: key 'p2' was applied from")
 
