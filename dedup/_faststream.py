@@ -37,6 +37,7 @@ from dedup import _message as message_
 from dedup import _store as store
 from dedup import _wrap as wrap_
 from dedup import keys
+from dedup.data import _conninfo as conninfo
 from dedup.data import _db as db
 
 log = logging.getLogger("dedup.faststream")
@@ -208,6 +209,8 @@ class FastStreamDedup:
     async def _dead_letter(
         self, records: Sequence[Any], cause: BaseException, attempts: int
     ) -> None:
+        # The cause as a dead letter shows it, credentials masked (the DSN's passwords too).
+        described = handler_.describe(cause, conninfo.passwords(self._dsn))
         letters = []
         for record in records:
             msg = message_.Message.from_record(record)
@@ -216,14 +219,14 @@ class FastStreamDedup:
                 store.DeadLetter(
                     msg,
                     f"handler failed {attempts} times",
-                    error=handler_.describe(cause),
+                    error=described,
                     attempts=attempts,
                 )
             )
         pool = await self._get_pool()
         async with pool.acquire() as conn, conn.transaction():
             await self._store.claim(conn, [], dead=letters)
-        log.error("dead-lettered %s after %d attempts: %s", _where(records), attempts, cause)
+        log.error("dead-lettered %s after %d attempts: %s", _where(records), attempts, described)
 
 
 class _Delivery(NamedTuple):

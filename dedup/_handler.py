@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
 
 import asyncpg
 
 from dedup import _errors as errors
 from dedup import _guard as guard
 from dedup import _message as message_
+from dedup.data import _conninfo as conninfo
 
 MessageHandler = Callable[[message_.Message, message_.Tx], Awaitable[object]]
 BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]]
@@ -140,7 +140,28 @@ def failed_partition(exc: BaseException) -> tuple[str, int] | None:
     return where if isinstance(where, tuple) else None
 
 
-def describe(value: Any) -> str:
-    """A short, payload-free description of an exception for dead letters and logs."""
-    text = f"{type(value).__name__}: {value}"
-    return text if len(text) <= 500 else text[:497] + "..."
+MAX_ERROR_LENGTH = 500
+"""Most characters of :func:`describe`'s text (a dead letter's ``error``): a type and a
+message of a few sentences fit whole; a message that quotes a whole payload or a
+response body is cut, its end shown as :data:`CUT`."""
+CUT = "..."
+"""What ends a description cut at :data:`MAX_ERROR_LENGTH`."""
+
+
+def describe(value: BaseException, secrets: Iterable[str] = ()) -> str:
+    """An exception as ``TypeName: message``, for dead letters, logs and span events.
+
+    Credentials the message quotes are masked (:func:`dedup.data._conninfo.mask_credentials`:
+    URL passwords, ``password=`` pairs, bearer tokens, and each of ``secrets``, the
+    passwords the caller was configured with) before the text is cut to
+    :data:`MAX_ERROR_LENGTH` characters, so a cut never leaves part of one.
+    """
+    try:
+        message = str(value)
+    except Exception:  # a broken __str__ must not lose the dead letter
+        message = "(the exception's message could not be read)"
+    text = f"{type(value).__name__}: {message}" if message else type(value).__name__
+    text = conninfo.mask_credentials(text, secrets)
+    if len(text) <= MAX_ERROR_LENGTH:
+        return text
+    return text[: MAX_ERROR_LENGTH - len(CUT)] + CUT

@@ -116,9 +116,19 @@ def client_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return given
 
 
+PASSWORD = "sasl_plain_password"  # noqa: S105 - the setting's name
+"""The setting whose value is a secret."""
+
+
 def redacted(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the password hidden, for a repr or a log line."""
-    return {k: "***" if k == "sasl_plain_password" and v else v for k, v in options.items()}
+    return {k: "***" if k == PASSWORD and v else v for k, v in options.items()}
+
+
+def secrets(options: Mapping[str, Any]) -> set[str]:
+    """The secret ``options`` hold (the SASL password), to mask where a message quotes it."""
+    password = options.get(PASSWORD)
+    return {password} if isinstance(password, str) and password else set()
 
 
 def _first_server(bootstrap_servers: str | Sequence[str]) -> tuple[str, int]:

@@ -1,4 +1,5 @@
-"""What ``dedup offsets`` asks Kafka: partitions, log ranges, group members, committed offsets."""
+"""What ``dedup offsets`` asks Kafka: partitions, log ranges, group members, committed offsets;
+and deleting a group."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import aiokafka
 import aiokafka.admin
 import aiokafka.errors
+from aiokafka.protocol.admin import DeleteGroupsRequest
 from aiokafka.structs import TopicPartition
 
 from dedup import _errors as errors
@@ -20,7 +22,8 @@ KAFKA_TIMEOUT_MS = 10_000
 
 
 class Kafka:
-    """What ``dedup offsets`` asks Kafka: partitions, log ranges, group members and offsets."""
+    """What ``dedup offsets`` asks Kafka: partitions, log ranges, group members and offsets;
+    and deleting a group."""
 
     def __init__(
         self, bootstrap_servers: str, kafka_options: Mapping[str, Any] | None = None
@@ -94,6 +97,28 @@ class Kafka:
             if error_code:  # a coordinator still loading must not pass for an empty group
                 raise aiokafka.errors.for_code(error_code)(f"describing group {group}")
         return sum(len(members) for _, _, _, _, _, members, *_ in groups)
+
+    async def delete_group(self, group: str) -> None:
+        """Delete ``group`` in Kafka, its committed offsets with it.
+
+        Raises Kafka's answer when it refuses: ``GroupIdNotFound`` (no such
+        group), ``NonEmptyGroup`` (it has members), or another KafkaError.
+        """
+        # aiokafka's admin client has no call for DeleteGroups; its public client sends it.
+        coordinator = await self._admin.find_coordinator(group)
+        client = aiokafka.AIOKafkaClient(
+            bootstrap_servers=self.bootstrap_servers,
+            request_timeout_ms=KAFKA_TIMEOUT_MS,
+            **self._options,
+        )
+        try:
+            await client.bootstrap()
+            response = await client.send(coordinator, DeleteGroupsRequest([group]))
+        finally:
+            await client.close()
+        for _, error_code in response.results:
+            if error_code:
+                raise aiokafka.errors.for_code(error_code)(f"deleting group {group}")
 
     async def committed(self, group: str) -> dict[TopicPartition, int]:
         """Kafka's committed offsets of ``group`` (partitions without one are left out)."""

@@ -31,8 +31,9 @@ DEFAULT_LIMIT = 1000
 MAX_LIMIT = 1_000_000
 """The largest ``--limit``: every row is held in memory and printed as one document."""
 
-# Cells wider than this are cut in tables (JSON always has the whole value).
 MAX_CELL = 60
+"""Most characters of a table's cell; a longer value is cut, ``...`` at its end (JSON always
+has the whole value)."""
 
 
 # C0 (incl. ESC, BEL, CR, LF, TAB), DEL and C1 (incl. CSI, U+009B): what a
@@ -108,6 +109,8 @@ class Column:
     """The table heading (default: the field name)."""
     right: bool = False
     """Align the cells right (figures)."""
+    width: int = MAX_CELL
+    """Most characters of a cell (a longer value is cut, ``...`` at its end)."""
 
     @property
     def title(self) -> str:
@@ -246,7 +249,7 @@ def cell(value: Any, *, width: int | None = MAX_CELL) -> str:
 def table(columns: Sequence[Column], rows: Sequence[Mapping[str, Any]]) -> str:
     """``rows`` as a table with a heading line; columns padded to their widest cell."""
     cells = [[c.title.upper() for c in columns]]
-    cells += [[cell(row.get(c.field)) for c in columns] for row in rows]
+    cells += [[cell(row.get(c.field), width=c.width) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
         "  ".join(

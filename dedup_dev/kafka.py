@@ -110,6 +110,18 @@ async def committed(bootstrap_servers: str, group: str, topic: str | None = None
     }
 
 
+async def group_state(bootstrap_servers: str, group: str) -> str:
+    """The group's state as Kafka describes it: ``Stable``, ``Empty``, ... (``Dead``: none)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        [described] = await admin.describe_consumer_groups([group])
+    finally:
+        await admin.close()
+    [(_, _, state, *_)] = described.groups
+    return str(state)
+
+
 async def end_offsets(bootstrap_servers: str, topic: str, partitions: int) -> dict[int, int]:
     """The end offset (log end, transaction markers included) of each partition."""
     reader = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers)

@@ -249,7 +249,7 @@ class InvalidEvent(ValueError):
     """An event a service cannot apply (a missing field, a wrong type).
 
     Raised from a handler, it is retried ``--max-attempts`` times and then
-    dead-lettered whole with this message as the reason.
+    dead-lettered whole, ``InvalidEvent: <this message>`` as its ``error``.
     """
 
 

@@ -1,4 +1,5 @@
-"""``dedup offsets show | rewind | skip``: where a group stands in Postgres, and moving it."""
+"""``dedup offsets show | rewind | skip | delete-group``: where a group stands in Postgres,
+moving it, and removing it."""
 
 from __future__ import annotations
 
@@ -59,6 +60,31 @@ async def _move(args: argparse.Namespace) -> int:
     return common.EXIT_OK
 
 
+async def _delete_group(args: argparse.Namespace) -> int:
+    """delete a stopped group: in Kafka, and its offsets in Postgres
+
+    Kafka deletes the group with its committed offsets; dedup deletes the
+    group's stored offsets (a consumer would resume from them), each with an
+    offsets_deleted event, unless --keep-offsets. The keys stay: a consumer
+    that reads the messages again counts them as duplicates. Exit codes: 0
+    deleted, 1 refused (the group has members; no such group in Kafka or
+    Postgres) or Kafka/Postgres unavailable, 2 bad usage.
+    """
+    if not args.bootstrap_servers:
+        raise errors.ConfigurationError(
+            "`offsets delete-group` deletes the group in Kafka: pass --bootstrap-servers "
+            "host:port or set KAFKA_BOOTSTRAP_SERVERS"
+        )
+    request = common.from_args(offsets.DeleteGroup, args, who=args.holder)
+    offsets_kafka.quiet_aiokafka()
+    async with (
+        common.connection(args) as conn,
+        _kafka(args) as kafka,
+    ):
+        done = await offsets.delete_group(conn, args.schema, request, kafka)
+    return common.show(done, args, ok=True)
+
+
 _MOVES = (
     (
         "rewind",
@@ -69,13 +95,15 @@ _MOVES = (
 
 
 def add_offsets(sub: Any) -> None:
-    """The ``offsets show | rewind | skip`` commands."""
+    """The ``offsets show | rewind | skip | delete-group`` commands."""
     group = common.command(
         sub,
         "offsets",
-        help="show, rewind or skip a consumer group's offsets (Postgres holds them)",
+        help="show, rewind or skip a consumer group's offsets (Postgres holds them), "
+        "or delete the group",
         description="A dedup consumer resumes from the offsets in Postgres, not Kafka's: "
-        "rewind and skip here, not with kafka-consumer-groups --reset-offsets.",
+        "rewind, skip and delete a group here, not with kafka-consumer-groups "
+        "--reset-offsets or --delete.",
     )
     commands = group.add_subparsers(dest="offsets_command", required=True, metavar="ACTION")
     p = common.command(commands, "show", _show)
@@ -86,6 +114,16 @@ def add_offsets(sub: Any) -> None:
     common.add_output(p)
     for action, what in _MOVES:
         _add_move(commands, action, what)
+    p = common.command(commands, offsets.DELETE_GROUP, _delete_group)
+    p.add_argument("--group", required=True, help="the consumer group")
+    p.add_argument(
+        "--keep-offsets",
+        action="store_true",
+        help="delete the group in Kafka only; its offsets in Postgres stay (it resumes there)",
+    )
+    p.add_argument("--holder", help="who deletes it, for the events table (default: user@host)")
+    common.add_kafka(p, "Kafka", secured=True)
+    common.add_output(p, limit=False)
 
 
 def _add_move(commands: Any, action: str, what: str) -> None:

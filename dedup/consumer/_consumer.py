@@ -67,6 +67,7 @@ from dedup.consumer import _out_of_range as out_of_range
 from dedup.consumer import _partitions as partitions
 from dedup.consumer import _rebalance as rebalance
 from dedup.consumer import _turn as turn
+from dedup.data import _conninfo as conninfo
 from dedup.data import _db as db
 from dedup.data import _migrations as migrations
 from dedup.data import _sql as sql
@@ -341,6 +342,9 @@ class IdempotentConsumer:
             # server never cuts the session of a handler still within its deadline.
             idle_timeout=self.config.handler_timeout + IDLE_MARGIN,
             database=await self._current_database(),
+            secrets=frozenset(
+                conninfo.passwords(self._dsn) | kafka_client.secrets(self.config.kafka_options)
+            ),
         )
 
     async def _current_database(self) -> str:

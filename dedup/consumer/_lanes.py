@@ -420,7 +420,7 @@ class Lane:
         if rule.fresh_connection:
             await self.release()
         delay = retry.backoff(tries)
-        telemetry.transition("retried", {"error": handler_.describe(exc)})
+        telemetry.transition("retried", {"error": handler_.describe(exc, self._s.secrets)})
         log.warning(
             "lane %d: a transaction failed (%s: %r); running it again in %.2fs",
             self.index,
@@ -468,7 +468,7 @@ class Lane:
                 [Work(w.partition, w.records, w.msgs, w.dead, w.next_offset, w.attempt + 1)]
             )
             return
-        described = handler_.describe(failure.error)
+        described = handler_.describe(failure.error, self._s.secrets)
         log.warning(
             "dead-lettering %s after %d attempts: %s", msg.where, self._s.max_attempts, described
         )

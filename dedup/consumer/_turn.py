@@ -69,6 +69,9 @@ class Settings:
     idle_timeout: float
     """The server's idle_in_transaction_session_timeout in each transaction, in seconds."""
     database: str
+    secrets: frozenset[str] = frozenset()
+    """The passwords this consumer was given (its DSN's, the SASL password): masked wherever a
+    handler's error quotes them (dedup._handler.describe)."""
 
 
 async def run(

@@ -8,7 +8,9 @@ Nothing dedup prints (errors, log lines, span attributes, CLI output) may hold a
 password: a DSN is shown through :func:`redact`, and text that came from the
 driver and may quote the DSN (an exception's message) through :func:`scrub`.
 Passwords from ``PGPASSWORD`` or a ``.pgpass`` file never enter a message:
-asyncpg reads them itself.
+asyncpg reads them itself.  A handler's exception, which dedup stores with a
+dead letter, may quote any service's credentials: :func:`mask_credentials`
+masks those it can recognize.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MASK = "***"
@@ -75,20 +78,69 @@ def scrub(text: str, dsn: object = None) -> str:
     password it holds, as written and decoded, by ``***`` (passwords of three
     characters or fewer are left: they would mask letters everywhere).
     """
-    secrets = set()
     if isinstance(dsn, str) and dsn:
         text = text.replace(dsn, redact(dsn))
-        try:
-            found = _secrets(dsn)
-        except ValueError:
-            found = []
-        for where in found:
-            secrets |= {where.value, dsn[where.start : where.end]}
-    secrets.add(os.environ.get("PGPASSWORD", ""))
+    return _masked(text, passwords(dsn))
+
+
+def passwords(dsn: object) -> set[str]:
+    """The passwords ``dsn`` holds, each as written and decoded (none when it is no DSN)."""
+    if not isinstance(dsn, str) or not dsn:
+        return set()
+    try:
+        found = _secrets(dsn)
+    except ValueError:
+        return set()
+    return {text for where in found for text in (where.value, dsn[where.start : where.end])}
+
+
+def _masked(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` and ``PGPASSWORD`` shown as ``***``."""
+    known = {*secrets, os.environ.get("PGPASSWORD", "")}
     # A secret of a character or two would mask letters all over the message.
-    for secret in sorted((s for s in secrets if len(s) >= _SHORTEST), key=len, reverse=True):
+    for secret in sorted((s for s in known if len(s) >= _SHORTEST), key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text
+
+
+CREDENTIAL_WORDS = ("password", "passwd", "pwd", "secret", "api_key", "apikey", "api-key")
+"""A ``name=value`` or ``name: value`` pair is a credential when its name contains one of
+these (any case: ``PGPASSWORD=``, ``sasl_plain_password=``, ``"client_secret": "..."``)."""
+
+# scheme://user:password@ (the user may be empty), the password up to the last
+# '@' before a space or '/', as for a DSN (an unescaped '@' in the password).
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s/]*@")
+_PAIR = re.compile(
+    r"([\w.-]*(?:" + "|".join(re.escape(w) for w in CREDENTIAL_WORDS) + r")[\w.-]*[\"']?"
+    r"\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s\"',;&)\]}]+)",
+    re.IGNORECASE,
+)
+# Authorization: <scheme> <credentials>, and a bearer token anywhere.
+_AUTHORIZATION = re.compile(
+    r"\b(authorization[\"']?\s*[=:]\s*[\"']?(?:\w+\s+)?|bearer\s+)[^\s\"',;]+", re.IGNORECASE
+)
+
+
+def _masked_value(match: re.Match[str]) -> str:
+    value = match[2]
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{match[1]}{quote}{MASK}{quote}"
+
+
+def mask_credentials(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` (an exception's message, say) with the credentials it may quote shown as ``***``.
+
+    Masked: the password of any URL's user info (``scheme://user:***@``), the
+    value of a pair whose name holds one of :data:`CREDENTIAL_WORDS`
+    (``password=***``, ``'api_key': '***'``), an ``Authorization`` header's
+    credentials (``Authorization: Basic ***``), a ``Bearer ***`` token, and,
+    wherever they appear, each of ``secrets`` and ``PGPASSWORD`` (of four
+    characters or more).
+    """
+    text = _masked(text, secrets)
+    text = _URL_PASSWORD.sub(rf"\1{MASK}@", text)
+    text = _PAIR.sub(_masked_value, text)
+    return _AUTHORIZATION.sub(rf"\1{MASK}", text)
 
 
 DEFAULT_PORT = "5432"

@@ -36,9 +36,16 @@ PROCESSED_COLUMNS = report.columns(
     "namespace, idempotency_key:key, topic, partition:part, offset, token, status, "
     "first_seen, duplicates:dups, conflicts, last_duplicate_at:last duplicate"
 )
-DEAD_LETTER_COLUMNS = report.columns(
-    "id, namespace, topic, partition:part, offset, idempotency_key:key, reason, "
-    "attempts, created_at, replayed_at"
+ERROR_CELL = 100
+"""Most characters of a dead letter's ``error`` in a table: an exception's type and a sentence
+of its message (``dead-letters show`` and JSON have it whole)."""
+DEAD_LETTER_COLUMNS = (
+    *report.columns(
+        "id, namespace, topic, partition:part, offset, idempotency_key:key, reason, "
+        "attempts, created_at, replayed_at"
+    ),
+    # Last, as it is the longest: the cause a handler raised.
+    report.Column("error", width=ERROR_CELL),
 )
 EVENT_COLUMNS = report.columns(
     "id, at, subject, kind, namespace, key, resource, holder, token, "

@@ -1,4 +1,5 @@
-"""``dedup offsets show | rewind | skip``: where a consumer group stands, and moving it.
+"""``dedup offsets show | rewind | skip | delete-group``: where a consumer group stands, moving
+it, and removing it.
 
 A dedup consumer keeps its offsets in Postgres (``partitions.next_offset``,
 moved in the same transaction as the effects) and seeks there on every
@@ -15,6 +16,12 @@ partition back from the offset set here.  Each move writes an event
 (``offsets_rewound``, ``offsets_skipped``) with both offsets, both tokens and
 who did it.  When the group has no members, Kafka's committed offsets are set
 to the new ones at once, so Kafka's tools agree.
+
+``dedup offsets delete-group`` removes a stopped group: from Kafka (with its
+committed offsets) and, since a consumer of the group would resume from them,
+its offsets in Postgres too, unless asked to keep them.  The keys in
+``processed`` stay: a consumer of the same namespace that reads the messages
+again counts each one applied before as a duplicate.
 """
 
 from __future__ import annotations
@@ -73,7 +80,8 @@ def is_operator(holder: str) -> bool:
 
 
 class GroupActiveError(errors.DedupError):
-    """The consumer group has members in Kafka and the operator did not confirm (``--yes``)."""
+    """The consumer group has members in Kafka: a move the operator did not confirm
+    (``--yes``), or a ``delete-group``, which Kafka refuses then."""
 
 
 # ---------------------------------------------------------------------- show --
@@ -384,4 +392,146 @@ def _event(m: Move, t: _Target, holder: str, when: datetime.datetime | None) -> 
         holder=holder,
         token=t.new_token,
         detail=detail,
+    )
+
+
+# -------------------------------------------------------------- delete-group --
+
+DELETE_GROUP = "delete-group"
+"""The action's name, in the holder of its events (``dedup offsets delete-group by ...``)."""
+DELETED_EVENT = "offsets_deleted"
+"""The event written for each stored offset ``delete-group`` deletes."""
+DELETE_COLUMNS = report.columns(
+    "group_id:group, topic, partition:part, status, old_offset, old_token, old_holder"
+)
+
+
+class NoSuchGroupError(errors.DedupError):
+    """``delete-group`` found nothing to delete: no such group in Kafka, no offsets of it in
+    Postgres."""
+
+
+@dataclass(frozen=True)
+class DeleteGroup:
+    """What ``dedup offsets delete-group`` was asked."""
+
+    group: str
+    """The consumer group."""
+    keep_offsets: bool = False
+    """Delete the group in Kafka only; the offsets in Postgres stay (the group resumes there)."""
+    who: str | None = None
+    """Who deletes it, for the holder of the events (default: user@host)."""
+
+
+async def delete_group(
+    conn: asyncpg.Connection, schema: str, d: DeleteGroup, kafka: offsets_kafka.Kafka
+) -> report.Report:
+    """Delete ``d.group`` in Kafka and, unless ``d.keep_offsets``, its offsets in Postgres.
+
+    Nothing is deleted when Kafka shows members (:class:`GroupActiveError`) or when
+    neither Kafka nor Postgres knows the group (:class:`NoSuchGroupError`).  The
+    rows go in a transaction that commits only once Kafka has deleted the group
+    or answered that it has none: a consumer that joins in between makes Kafka
+    refuse, and the rows stay.  Each deleted row writes an ``offsets_deleted``
+    event with the offset, token and holder it had.
+    """
+    queries = sql.Queries(schema)
+    try:
+        members = await kafka.members(d.group)
+    except aiokafka.errors.KafkaError as exc:
+        raise kafka.unavailable(exc) from exc
+    if members:
+        raise GroupActiveError(_not_empty(d.group, f"{members} active member(s)"))
+    holder = operator_holder(DELETE_GROUP, d.who or audit.operator())
+    async with db.transaction(conn, {"lock_timeout": LOCK_TIMEOUT}):
+        if d.keep_offsets:
+            stored = await queries.offsets_list.fetch(
+                conn, group_id=d.group, topic=None, limit=report.MAX_LIMIT
+            )
+        else:
+            stored = await _delete_stored(conn, queries, d.group)
+            await events.record(conn, schema, [_deleted(d.group, r, holder) for r in stored])
+        in_kafka = await _delete_in_kafka(kafka, d.group)
+        if not in_kafka and (d.keep_offsets or not stored):
+            where = "" if d.keep_offsets else " and Postgres holds no offsets of it"
+            raise NoSuchGroupError(
+                f"no group {d.group}: Kafka answers {aiokafka.errors.GroupIdNotFound.message} "
+                f"(the group id does not exist){where}; nothing was deleted"
+            )
+    status = "kept" if d.keep_offsets else "deleted"
+    rows = [
+        {
+            "group_id": d.group,
+            "topic": r["topic"],
+            "partition": r["partition"],
+            "status": status,
+            "old_offset": r["next_offset"],
+            "old_token": r["token"],
+            "old_holder": r["holder"],
+        }
+        for r in sorted(stored, key=lambda r: (r["topic"], r["partition"]))
+    ]
+    kafka_said = (
+        f"kafka: group {d.group} deleted, its committed offsets with it"
+        if in_kafka
+        else f"kafka: no group {d.group} ({aiokafka.errors.GroupIdNotFound.message}), "
+        "nothing to delete there"
+    )
+    return report.Report(
+        query={"group": d.group, "keep_offsets": d.keep_offsets},
+        sections=[report.Section("partitions", "partitions", DELETE_COLUMNS, rows)],
+        fields={"kafka_group": "deleted" if in_kafka else "not_found"},
+        heading=kafka_said,
+        nothing=f"no stored offsets of group {d.group} in Postgres",
+    )
+
+
+def _not_empty(group: str, members: str) -> str:
+    return (
+        f"group {group} has {members} in Kafka, and Kafka deletes only an empty group "
+        f"(it answers {aiokafka.errors.NonEmptyGroup.message}): stop its consumers first; "
+        "nothing was deleted"
+    )
+
+
+async def _delete_stored(
+    conn: asyncpg.Connection, queries: sql.Queries, group: str
+) -> list[asyncpg.Record]:
+    """Delete the group's rows, once a batch in flight on them has committed."""
+    try:
+        rows: list[asyncpg.Record] = await queries.offsets_delete_group.fetch(conn, group_id=group)
+    except asyncpg.LockNotAvailableError as exc:
+        raise errors.ServiceUnavailableError(
+            f"a batch of group {group} kept a partition locked for {LOCK_TIMEOUT}; "
+            "run the command again"
+        ) from exc
+    return rows
+
+
+async def _delete_in_kafka(kafka: offsets_kafka.Kafka, group: str) -> bool:
+    """Delete the group in Kafka: True when it did, False when Kafka has no such group."""
+    try:
+        await kafka.delete_group(group)
+    except aiokafka.errors.GroupIdNotFound:
+        return False
+    except aiokafka.errors.NonEmptyGroup as exc:
+        # A consumer joined since the members were counted.
+        raise GroupActiveError(_not_empty(group, "active members")) from exc
+    except aiokafka.errors.KafkaError as exc:
+        raise kafka.unavailable(exc) from exc
+    return True
+
+
+def _deleted(group: str, row: asyncpg.Record, holder: str) -> events.Event:
+    return events.Event(
+        "partition",
+        DELETED_EVENT,
+        resource=f"{group}:{row['topic']}:{row['partition']}",
+        holder=holder,
+        token=row["token"],
+        detail={
+            "old_offset": row["next_offset"],
+            "old_token": row["token"],
+            "old_holder": row["holder"],
+        },
     )

@@ -30,3 +30,11 @@ ON CONFLICT (group_id, topic, "partition") DO UPDATE
    SET token = p.token + 1, holder = EXCLUDED.holder, next_offset = EXCLUDED.next_offset,
        acquired_at = now(), updated_at = now()
 RETURNING "partition", token
+
+-- name: offsets_delete_group
+-- `dedup offsets delete-group`: every stored offset of the group goes, once a
+-- batch in flight on one of them has committed (the row locks); what each
+-- partition held comes back, for the events.
+DELETE FROM {schema}.partitions
+ WHERE group_id = :group_id
+RETURNING topic, "partition", holder, token, next_offset

@@ -17,6 +17,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 import dedup
+from dedup import _handler as handler_
+from dedup.operations import _audit as audit_ops
 from dedup_dev import audit as audit_support
 from dedup_dev import effects as support
 from dedup_dev import helpers, task_jobs, task_worker
@@ -424,6 +426,77 @@ async def test_a_tombstone_and_a_null_key_are_dead_lettered_and_replayed_as_they
         (b"acct-9", None, []),
         (None, b"{broken", [("h", None)]),
     ]
+
+
+DB_PASSWORD = "db-pw-5c1f0e"  # noqa: S105 (made up: the test server trusts local logins)
+LEDGER_PASSWORD = "ledger-pw-77a2"  # noqa: S105 (made up)
+
+
+async def test_dead_letters_show_the_exception_the_handler_raised_without_credentials(
+    dsn: str, bootstrap_servers: str, topics: Topics
+) -> None:
+    topic = await topics.create(partitions=1)
+    causes = {
+        "p-amount": ValueError("amount must be an integer in minor units"),
+        # The consumer's own password (in its DSN) and a URL's, quoted by a handler.
+        "p-ledger": ConnectionError(
+            f"ledger https://svc:{LEDGER_PASSWORD}@ledger.internal refused us; "
+            f"our database password is {DB_PASSWORD}"
+        ),
+        "p-long": RuntimeError("response body: " + "x" * 2000),
+    }
+
+    async def handler(msg: dedup.Message, tx: dedup.Tx) -> None:
+        raise causes[msg.idempotency_key]
+
+    with_password = f"{dsn}{'&' if '?' in dsn else '?'}password={DB_PASSWORD}"
+    consumer = audit_support.consumer(
+        handler, topic, bootstrap_servers, None, dsn=with_password, max_attempts=2
+    )
+    values = [orjson.dumps({"payment_id": key}) for key in causes]
+    await helpers.produce(bootstrap_servers, topic, [(b"acct-7", v) for v in values])
+    async with support.running(consumer):
+        await helpers.wait_for(
+            lambda: _at_least(consumer.stats["dead_lettered"], 3), what="three dead letters"
+        )
+
+    listed = run_cli("dead-letters", "list", dsn=dsn)
+    assert listed.returncode == 0, listed.stderr
+    heading, *rows = listed.stdout.splitlines()[1:]
+    assert heading.split()[-1] == "ERROR"
+    amount, ledger, long = rows
+    assert amount.endswith("  ValueError: amount must be an integer in minor units")
+    assert ledger.endswith(
+        "  ConnectionError: ledger https://svc:***@ledger.internal refused us; "
+        "our database password is ***"
+    )
+    # The longest error is cut to its cell, the end marked.
+    cut = "RuntimeError: response body: " + "x" * 68 + "..."
+    assert long.endswith(f"  {cut}") and len(cut) == audit_ops.ERROR_CELL
+
+    doc = json_out(run_cli("dead-letters", "list", "--format", "json", dsn=dsn))
+    errors_ = [d["error"] for d in doc["dead_letters"]]
+    assert errors_[:2] == [
+        "ValueError: amount must be an integer in minor units",
+        "ConnectionError: ledger https://svc:***@ledger.internal refused us; "
+        "our database password is ***",
+    ]
+    # Stored bounded: dead-letters show and JSON have it whole, as stored.
+    assert len(errors_[2]) == handler_.MAX_ERROR_LENGTH and errors_[2].endswith("x...")
+    assert [d["reason"] for d in doc["dead_letters"]] == ["handler failed 2 times"] * 3
+
+    first, second = (str(d["id"]) for d in doc["dead_letters"][:2])
+    shown = run_cli("dead-letters", "show", first, dsn=dsn)
+    assert "\nerror            ValueError: amount must be an integer in minor units\n" in (
+        shown.stdout
+    )
+    whole = run_cli("dead-letters", "show", second, dsn=dsn)
+    assert f"error            {errors_[1]}\n" in whole.stdout
+    shown_json = json_out(run_cli("dead-letters", "show", second, "--format", "json", dsn=dsn))
+    assert shown_json["dead_letters"][0]["error"] == errors_[1]
+    for out in (listed, whole, shown_json):
+        text = out if isinstance(out, dict) else out.stdout + out.stderr
+        assert DB_PASSWORD not in str(text) and LEDGER_PASSWORD not in str(text)
 
 
 async def _at_least(value: int, n: int) -> bool:

@@ -3,10 +3,11 @@
 The page's story: the group ``billing`` consumed the topic ``orders``
 (partition 0: 12 orders a minute apart from 2026-11-30 10:00 UTC; partition 1:
 8 orders two minutes apart) and stopped; then 4 bad orders came to partition 1
-(from 10:30), which must never be applied.  Its console blocks run in page order
-(see dedup_dev/docs.py); a block right after the comment
-``<!-- the group billing is running -->`` runs while the group's consumer runs,
-which then must have taken its partitions back and caught up.
+(from 10:30), which must never be applied; at the end the group is deleted.
+Its console blocks run in page order (see dedup_dev/docs.py); a block right
+after the comment ``<!-- the group billing is running -->`` runs while the
+group's consumer runs, which then must have taken its partitions back and
+caught up.
 
 Kafka is shared, so the test's group and topic get names of their own, as long
 as the page's (the tables keep their widths), put in place of the page's names
@@ -139,3 +140,7 @@ async def test_the_offsets_section_runs_as_written(
     keys = {r["key"] for r in await pool.fetch("SELECT key FROM effects")}
     assert keys == {key for _, key, _ in ORDERS}
     assert await support.effect_counts(pool) == (len(ORDERS), len(ORDERS))
+    # And the deleted group is gone from both: no stored offsets, nothing committed in Kafka.
+    stored = "SELECT count(*) FROM dedup.partitions WHERE group_id = $1"
+    assert await pool.fetchval(stored, group) == 0
+    assert await kafka_support.committed(bootstrap_servers, group) == {}

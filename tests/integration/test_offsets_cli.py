@@ -1,4 +1,5 @@
-"""`dedup offsets show | rewind | skip` against real Kafka and Postgres, as an operator runs them.
+"""`dedup offsets show | rewind | skip | delete-group` against real Kafka and Postgres, as an
+operator runs them.
 
 Each test runs the CLI in a subprocess and checks what an operator sees (exit
 code, output) and what the command leaves behind: the stored offsets, the
@@ -7,13 +8,16 @@ events, Kafka's committed offsets, and what a consumer then applies.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
+import dedup
 from dedup_dev import effects as support
 from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
@@ -302,3 +306,140 @@ async def test_moves_that_cannot_mean_one_thing_are_refused_and_move_nothing(
 
 async def _at_least(stats: Any, name: str, n: int) -> bool:
     return bool(stats[name] >= n)
+
+
+DELETE_FIELDS = {
+    "group_id",
+    "topic",
+    "partition",
+    "status",
+    "old_offset",
+    "old_token",
+    "old_holder",
+}
+
+
+@contextlib.asynccontextmanager
+async def committed_group(
+    bootstrap_servers: str, topic: str, pool: Any
+) -> AsyncIterator[dedup.IdempotentConsumer]:
+    """The group ``g-<topic>`` running, once it applied ``topic``'s 3 records and committed
+    them to Kafka; stopped on exit."""
+    await pool.execute(support.EFFECTS)
+    await produce_at(bootstrap_servers, topic, range(3))
+    consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
+    async with support.running(consumer):
+        await helpers.wait_for(
+            lambda: helpers.equal(kafka_support.committed(bootstrap_servers, f"g-{topic}"), {0: 3}),
+            what="the group consumed and committed",
+        )
+        yield consumer
+
+
+async def test_delete_group_refuses_a_running_group_then_deletes_it_in_kafka_and_postgres(
+    bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
+) -> None:
+    topic = await topics.create()
+    group = f"g-{topic}"
+    async with committed_group(bootstrap_servers, topic, pool) as consumer:
+        running = await offsets_cli(bootstrap_servers, dsn, "delete-group", "--group", group)
+        assert (running.returncode, running.stdout) == (1, "")
+        assert running.stderr == (
+            f"dedup offsets: group {group} has 1 active member(s) in Kafka, and Kafka deletes "
+            "only an empty group (it answers NON_EMPTY_GROUP): stop its consumers first; "
+            "nothing was deleted\n"
+        )
+        assert (await partition_row(pool, topic))["next_offset"] == 3
+
+    args = ("delete-group", "--group", group, "--holder", "alice", "--format", "json")
+    done = await offsets_cli(bootstrap_servers, dsn, *args)
+    assert done.returncode == 0, done.stderr
+    doc = json_out(done)
+    assert doc["query"] == {"group": group, "keep_offsets": False}
+    assert doc["kafka_group"] == "deleted"
+    assert [set(r) for r in doc["partitions"]] == [DELETE_FIELDS]
+    assert doc["partitions"][0] == {
+        "group_id": group,
+        "topic": topic,
+        "partition": 0,
+        "status": "deleted",
+        "old_offset": 3,
+        "old_token": 1,
+        "old_holder": consumer.holder,
+    }
+    # Gone from both: Kafka's offsets and group, dedup's stored offsets; an event kept.
+    assert await kafka_support.committed(bootstrap_servers, group) == {}
+    assert await kafka_support.group_state(bootstrap_servers, group) == "Dead"
+    assert await partition_row(pool, topic) is None
+    event = await pool.fetchrow("SELECT * FROM dedup.events WHERE kind = 'offsets_deleted'")
+    assert (event["resource"], event["holder"], event["token"]) == (
+        f"{group}:{topic}:0",
+        "dedup offsets delete-group by alice",
+        1,
+    )
+    assert event["detail"] == {"old_offset": 3, "old_token": 1, "old_holder": consumer.holder}
+
+    again = await offsets_cli(bootstrap_servers, dsn, "delete-group", "--group", group)
+    assert (again.returncode, again.stdout) == (1, "")
+    assert again.stderr == (
+        f"dedup offsets: no group {group}: Kafka answers GROUP_ID_NOT_FOUND (the group id does "
+        "not exist) and Postgres holds no offsets of it; nothing was deleted\n"
+    )
+
+    # Started again, the group reads from the start: each message is a duplicate.
+    again_consumer = support.consumer(support.record_effects, topic, bootstrap_servers, pool)
+    async with support.running(again_consumer):
+        await helpers.wait_for(
+            lambda: _at_least(again_consumer.stats, "duplicates", 3), what="three duplicates"
+        )
+    assert await effect_keys(pool) == ["k0", "k1", "k2"]
+
+
+async def test_delete_group_keep_offsets_deletes_it_in_kafka_only(
+    bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
+) -> None:
+    topic = await topics.create()
+    group, other = f"g-{topic}", f"o-{topic}"
+    async with committed_group(bootstrap_servers, topic, pool) as consumer:
+        pass
+
+    done = await offsets_cli(
+        bootstrap_servers, dsn, "delete-group", "--group", group, "--keep-offsets"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"kafka: group {group} deleted, its committed offsets with it",
+        "partitions (1):",
+        f"GROUP{' ' * (len(group) - 3)}TOPIC{' ' * (len(topic) - 3)}PART  STATUS  OLD_OFFSET  "
+        "OLD_TOKEN  OLD_HOLDER",
+        f"{group}  {topic}  0     kept    3           1          {consumer.holder}",
+    ]
+    assert await kafka_support.committed(bootstrap_servers, group) == {}
+    row = await partition_row(pool, topic)
+    assert (row["holder"], row["token"], row["next_offset"]) == (consumer.holder, 1, 3)
+    assert (
+        await pool.fetchval("SELECT count(*) FROM dedup.events WHERE kind = 'offsets_deleted'") == 0
+    )
+
+    # A group only Kafka knows (committed by another tool): deleted there, nothing in Postgres.
+    await kafka_support.reset(bootstrap_servers, other, topic, {0: 2})
+    done = await offsets_cli(bootstrap_servers, dsn, "delete-group", "--group", other)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        f"kafka: group {other} deleted, its committed offsets with it\n"
+        f"no stored offsets of group {other} in Postgres\n"
+    )
+    assert await kafka_support.committed(bootstrap_servers, other) == {}
+
+    args = ("delete-group", "--group", other, "--keep-offsets")
+    gone = await offsets_cli(bootstrap_servers, dsn, *args)
+    assert (gone.returncode, gone.stderr) == (
+        1,
+        f"dedup offsets: no group {other}: Kafka answers GROUP_ID_NOT_FOUND (the group id does "
+        "not exist); nothing was deleted\n",
+    )
+    no_kafka = await run_cli_async(
+        "offsets", "delete-group", "--group", group, "--bootstrap-servers", "", dsn=dsn
+    )
+    assert no_kafka.returncode == 2
+    assert "`offsets delete-group` deletes the group in Kafka" in no_kafka.stderr

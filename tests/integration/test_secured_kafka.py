@@ -155,7 +155,7 @@ async def test_dead_letters_replay_through_sasl_ssl(
     assert (record.key, record.value) == (b"acct-7", b'{"n": 1}')
 
 
-async def test_offsets_show_and_skip_through_sasl_ssl(
+async def test_offsets_show_skip_and_delete_group_through_sasl_ssl(
     secured_kafka: SecuredKafka, secured_topics: Topics, dsn: str, pool: Any
 ) -> None:
     topic = await secured_topics.create()
@@ -193,6 +193,13 @@ async def test_offsets_show_and_skip_through_sasl_ssl(
         assert listener(secured_kafka) in refused.stderr, refused.stderr
         assert setting in refused.stderr
         assert secured_kafka.password not in refused.stderr
+
+    delete = ("offsets", "delete-group", "--group", group, "--format", "json")
+    done = await run_cli_async(*delete, dsn=dsn, env=env)
+    assert done.returncode == 0, done.stderr
+    deleted = json_out(done)
+    assert deleted["kafka_group"] == "deleted"
+    assert [(r["status"], r["old_offset"]) for r in deleted["partitions"]] == [("deleted", 5)]
 
 
 def demo(secured: SecuredKafka, dsn: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -67,3 +67,51 @@ def test_keyword_pairs_become_a_url_asyncpg_reads() -> None:
     with pytest.raises(ValueError, match="at character 0") as caught:
         conninfo.to_url("secret")
     assert "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (
+            "GET https://svc:hunter22@api.example/v1 failed",
+            "GET https://svc:***@api.example/v1 failed",
+        ),
+        ("redis://:hunter22@cache:6379/0", "redis://:***@cache:6379/0"),
+        # An unescaped '@' in the password: masked up to the last '@' of the address.
+        ("amqp://u:p@ss@mq/vhost", "amqp://u:***@mq/vhost"),
+        (
+            "no password here: http://host:8080/path?mail=a@b",
+            "no password here: http://host:8080/path?mail=a@b",
+        ),
+        ("host=db user=app password=hunter22 dbname=x", "host=db user=app password=*** dbname=x"),
+        ("PGPASSWORD=hunter22 psql", "PGPASSWORD=*** psql"),
+        (
+            "{'sasl_plain_password': 'hunter 22', 'user': 'a'}",
+            "{'sasl_plain_password': '***', 'user': 'a'}",
+        ),
+        ('{"client_secret": "hunter22", "id": 7}', '{"client_secret": "***", "id": 7}'),
+        ("api_key=abc123&page=2", "api_key=***&page=2"),
+        ("X-Api-Key: abc123", "X-Api-Key: ***"),
+        ("Authorization: Basic dXNlcjpwdw==", "Authorization: Basic ***"),
+        ("sent Bearer eyJhbGciOi.J9.x-y_z to the API", "sent Bearer *** to the API"),
+        # Words alone are no credentials: nothing follows them with = or :.
+        (
+            "password authentication failed for user app; authorization denied",
+            "password authentication failed for user app; authorization denied",
+        ),
+        ("amount must be an integer in minor units", "amount must be an integer in minor units"),
+    ],
+)
+def test_credentials_in_free_text_are_masked(text: str, shown: str) -> None:
+    assert conninfo.mask_credentials(text) == shown
+
+
+def test_known_secrets_are_masked_wherever_they_appear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGPASSWORD", "from-the-environment")
+    text = "tried s3cret-pw and from-the-environment; a pw of 3 chars, abc, stays"
+    assert conninfo.mask_credentials(text, {"s3cret-pw", "abc"}) == (
+        "tried *** and ***; a pw of 3 chars, abc, stays"
+    )
+    assert conninfo.passwords(f"postgresql://u:{ENCODED}@h/d") == {SECRET, ENCODED}
+    assert conninfo.passwords("host=h password=pw1234") == {"pw1234"}
+    assert conninfo.passwords(None) == conninfo.passwords("not a dsn=") == set()
