@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -49,12 +48,6 @@ PICTURE = "docs/img/dashboard.png"
 SCRAPE_MS = 250
 # Grafana's $__rate_interval for that scrape interval: four scrapes.
 RATE_INTERVAL = f"{4 * SCRAPE_MS}ms"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def dashboard_section() -> str:
@@ -142,7 +135,7 @@ async def test_every_dashboard_panel_answers_from_a_real_prometheus(
     prometheus_bin = await binary()
     topic = await topics.create(partitions=3)
     group = f"g-{topic}"
-    metrics_port, prometheus_port = free_port(), free_port()
+    metrics_port, prometheus_port = helpers.free_port(), helpers.free_port()
     (tmp_path / "prometheus.yml").write_text(
         f"global: {{scrape_interval: {SCRAPE_MS}ms, evaluation_interval: 1s}}\n"
         "scrape_configs:\n"
