@@ -327,6 +327,8 @@ class Watchdog:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Watchdog:
+        # dedup.lease.losses at 0 from here on, so that an alert on its increase sees the first.
+        telemetry.lease_losses.add(0)
         self._task = asyncio.create_task(self._run(), name=f"dedup-watchdog {self.lease.resource}")
         return self
 

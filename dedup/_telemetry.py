@@ -135,12 +135,24 @@ def partition_attributes(group_id: str, tp: Any) -> dict[str, Any]:
 
 
 def counting(attributes: dict[str, Any]) -> dict[str, Any]:
-    """Start a partition's counters at 0 and return their ``attributes``.
+    """Start a topic's counters at 0 and return their ``attributes``.
 
-    A counter that was never added to is no series at all in Prometheus, so a
-    dashboard's deadlock panel would show "no data" instead of 0.
+    A counter that was never added to is no series at all in Prometheus: a
+    dashboard's deadlock panel would show "no data" instead of 0, and after a
+    restart the first dead letter would be a new series already at 1, which an
+    ``increase()`` alert never sees grow.  The consumer calls this for each of
+    its topics when it starts, and again for each partition it is assigned, with
+    the attributes its increments use (:func:`dedup.consumer._turn.counted`).
     """
-    for counter in (stale_rejections, deadlocks, retries):
+    for counter in (
+        processed,
+        duplicates,
+        conflicts,
+        dead_lettered,
+        stale_rejections,
+        deadlocks,
+        retries,
+    ):
         counter.add(0, attributes)
     return attributes
 

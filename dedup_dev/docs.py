@@ -38,12 +38,22 @@ def checked_snippets(name: str, text: str) -> list[tuple[str, str]]:
 
 
 def _section_bounds(text: str, heading: str) -> tuple[int, int]:
-    """Where the section whose heading line starts with ``heading`` begins and ends."""
-    level = heading.split(" ", 1)[0]
+    """Where the section whose heading line starts with ``heading`` begins and ends.
+
+    It ends at the next heading of its level or a higher one (``## B`` ends
+    ``### A``), outside code blocks (where ``# `` starts a comment).
+    """
+    level = len(heading.split(" ", 1)[0])
     start = text.index("\n" + heading) + 1
-    following = re.search(rf"^{level} ", text[start + len(heading) :], re.MULTILINE)
-    end = len(text) if following is None else start + len(heading) + following.start()
-    return start, end
+    at = start + len(heading)
+    fenced = False
+    for line in text[at:].splitlines(keepends=True):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(rf"#{{1,{level}}} ", line):
+            return start, at
+        at += len(line)
+    return start, len(text)
 
 
 def section(text: str, heading: str) -> str:

@@ -1,8 +1,9 @@
-"""What the integration and chaos tests share: waiting for a condition, producing records."""
+"""What the integration and chaos tests share: waiting for a condition, records, a free port."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -33,3 +34,10 @@ async def wait_for(
 async def equal(found: Awaitable[T], expected: T) -> bool:
     """``await found == expected``, as a probe for :func:`wait_for`."""
     return bool(await found == expected)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a child's server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

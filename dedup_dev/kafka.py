@@ -67,26 +67,44 @@ async def produce(
     partition: int | None = None,
     headers: list[tuple[str, bytes]] | None = None,
     chunk: int = 10_000,
+    timestamp_ms: int | None = None,
+    in_transaction: bool = False,
     **options: object,
 ) -> int:
     """Send ``(key, value)`` records and wait until all are acknowledged; return the count.
 
     ``options`` go to the producer (``linger_ms`` is 5 unless given); acknowledgements are
     awaited every ``chunk`` records, so a large workload holds few futures at once.
+    ``timestamp_ms`` is every record's timestamp (default: the producer's clock).  With
+    ``in_transaction``, the records are one Kafka transaction: a read_committed consumer
+    sees none of them until it commits, then all at once.
     """
+    if in_transaction:
+        options.setdefault("transactional_id", f"tx-{uuid.uuid4().hex[:12]}")
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, **{"linger_ms": 5, **options})
     await producer.start()
     sent = 0
     try:
+        if in_transaction:
+            await producer.begin_transaction()
         futures = []
         for key, value in records:
             futures.append(
-                await producer.send(topic, value, key=key, partition=partition, headers=headers)
+                await producer.send(
+                    topic,
+                    value,
+                    key=key,
+                    partition=partition,
+                    headers=headers,
+                    timestamp_ms=timestamp_ms,
+                )
             )
             if len(futures) >= chunk:
                 sent += len(await asyncio.gather(*futures))
                 futures = []
         sent += len(await asyncio.gather(*futures))
+        if in_transaction:
+            await producer.commit_transaction()
     finally:
         await producer.stop()
     return sent

@@ -61,6 +61,7 @@ from dedup import _kafka_logs as kafka_logs
 from dedup import _leases as leases
 from dedup import _message as message_
 from dedup import _store as store
+from dedup import _telemetry as telemetry
 from dedup import keys
 from dedup.consumer import _decoding as decoding
 from dedup.consumer import _out_of_range as out_of_range
@@ -324,6 +325,9 @@ class IdempotentConsumer:
             hurry=self._hurry,
         )
         await self._start_kafka(self._partitions)
+        for topic in c.topics:
+            # Series at 0 from the start, before anything is assigned or fetched.
+            telemetry.counting(turn.counted(settings, topic))
         log.info("consumer %s started on %s (group %s)", self.holder, c.topics, c.group_id)
 
     async def _turn_settings(self) -> turn.Settings:

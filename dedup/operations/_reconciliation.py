@@ -354,7 +354,8 @@ async def reconcile(
     task code, looked up in ``registry`` (default: :meth:`Registry.default`),
     or a :class:`Check`.  Both queries run in one REPEATABLE READ transaction;
     the ``reconcile`` event is written in it; a mismatch adds one to
-    ``dedup.reconcile.mismatches``.  A query that fails for a reason other than
+    ``dedup.reconcile.mismatches`` (a pass adds 0: the task's series exists
+    before its first mismatch).  A query that fails for a reason other than
     a transient one raises :class:`dedup.ConfigurationError` naming the task and
     the side.  With ``alert_url``, a mismatch also writes its alert to the outbox
     in that transaction, once per task and date (:func:`alert`); :func:`sweep` sends it.
@@ -384,8 +385,8 @@ async def reconcile(
             if alert_url is not None and not found.ok:
                 await alert(conn, found, alert_url, schema)
         span.set_attribute("dedup.reconcile.ok", found.ok)
-        if not found.ok:
-            telemetry.reconcile_mismatches.add(1, {"dedup.task": check.task})
+        # A check that passes makes the task's series (at 0), so an alert sees the first mismatch.
+        telemetry.reconcile_mismatches.add(0 if found.ok else 1, {"dedup.task": check.task})
     return found
 
 

@@ -322,7 +322,8 @@ def test_install_page_commands_run_as_written(library_venv: Venv) -> None:
         out = library_venv.sh(command)
         assert docs_support.expected_pattern(expected + "\n").fullmatch(out), (command, out)
     library_venv.sh(extras)
-    library_venv.run("python", "-c", "import sqlalchemy, opentelemetry.sdk")
+    imports = "sqlalchemy, opentelemetry.sdk, opentelemetry.exporter.prometheus, prometheus_client"
+    library_venv.run("python", "-c", f"import {imports}")
 
 
 def test_install_page_names_the_versions_this_run_tested(services: Services) -> None:

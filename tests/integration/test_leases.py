@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import dedup
 from dedup import _leases as leases
 from dedup_dev import helpers, task_jobs, task_worker
+from tests.integration.test_tracing import series
 
 SIX_HOURS = 6 * 3600.0
 
@@ -107,7 +109,9 @@ async def test_an_expired_lease_is_stale_even_before_anyone_takes_over(pool: Any
             await book.check(conn, lease)
 
 
-async def test_watchdog_keeps_the_lease_and_tells_the_holder_when_it_cannot(pool: Any) -> None:
+async def test_watchdog_keeps_the_lease_and_tells_the_holder_when_it_cannot(
+    pool: Any, metric_reader: InMemoryMetricReader
+) -> None:
     book = dedup.Leases(pool)
     lease = await book.acquire("r", "a", 1)
     assert lease is not None
@@ -118,6 +122,8 @@ async def test_watchdog_keeps_the_lease_and_tells_the_holder_when_it_cannot(pool
         return kinds.count("lease_renewed") >= 4
 
     async with book.watch(lease, lambda lease, err: lost.append((lease, err))) as watchdog:
+        # The losses' counter exists (at 0 in a fresh process) from the first watch on.
+        losses = series(metric_reader, {})["dedup.lease.losses"]
         # Four renewals span well over the ttl: the lease stayed the holder's throughout.
         await helpers.wait_for(renewals, within=10, what="four renewals")
         assert await book.acquire("r", "b", 5) is None
@@ -136,6 +142,7 @@ async def test_watchdog_keeps_the_lease_and_tells_the_holder_when_it_cannot(pool
     assert lost[0][0].token == 1
     assert "could not be renewed before it expired" in str(lost[0][1])
     assert ("lease_lost", "a", 1) in await lease_events(pool, "r")
+    assert series(metric_reader, {})["dedup.lease.losses"] == losses + 1
     taken = await helpers.wait_for(lambda: book.acquire("r", "b", 5), within=5, what="takeover")
     assert taken.token == 2
 

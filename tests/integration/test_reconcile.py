@@ -25,7 +25,7 @@ from dedup.cli import _main as cli
 from dedup.operations import _reconciliation as reconciliation
 from dedup_dev import service_process as service_support
 from tests.integration.test_service_statements import DAY, ledger
-from tests.integration.test_tracing import counter_totals
+from tests.integration.test_tracing import counter_totals, series
 
 
 async def reconcile_events(pool: Any) -> list[tuple[str, str, str, dict[str, Any]]]:
@@ -118,6 +118,20 @@ async def test_the_library_call_counts_a_mismatch_and_traces_it(
         "SELECT holder FROM dedup.events WHERE kind = 'reconcile_mismatch'"
     )
     assert holder == "nightly"
+
+
+async def test_a_check_that_passes_starts_its_tasks_mismatch_count_at_zero(
+    pool: Any, metric_reader: InMemoryMetricReader
+) -> None:
+    # So that Prometheus has the series before the first mismatch, and sees it grow.
+    task = f"zero-{uuid.uuid4().hex[:8]}"
+    day = "SELECT 2, 10 FROM (SELECT $1::date) AS day"
+    check = dedup.ReconcileCheck(task=task, source=day, result=day)
+    assert (await dedup.reconcile(pool, check, "2024-01-31")).ok
+    assert series(metric_reader, {"dedup.task": task}) == {"dedup.reconcile.mismatches": 0}
+    apart = dedup.ReconcileCheck(task=task, source=day, result=day.replace("10", "7"))
+    assert not (await dedup.reconcile(pool, apart, "2024-01-31")).ok
+    assert series(metric_reader, {"dedup.task": task}) == {"dedup.reconcile.mismatches": 1}
 
 
 @pytest.fixture

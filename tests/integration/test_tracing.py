@@ -166,6 +166,62 @@ async def test_a_mixed_batch_is_traced_with_conventions_events_and_links(
     assert point_total(metric_reader, "messaging.process.duration", messaging) >= 1
 
 
+STARTED_AT_ZERO = [
+    "dedup.messages.processed",
+    "dedup.messages.duplicates",
+    "dedup.messages.conflicts",
+    "dedup.messages.dead_lettered",
+    "dedup.stale_rejections",
+    "dedup.deadlocks",
+    "dedup.retries",
+]
+
+
+def series(reader: InMemoryMetricReader, attributes: dict[str, Any]) -> dict[str, float]:
+    """The value of each counter's point whose attributes are exactly ``attributes``."""
+    return {
+        name: point.value
+        for name, kind, point in points(reader)
+        if kind == "Sum" and dict(point.attributes or {}) == attributes
+    }
+
+
+async def test_a_started_consumer_counts_from_zero_on_the_series_it_adds_to(
+    bootstrap_servers: str, topics: Topics, pool: Any, metric_reader: InMemoryMetricReader
+) -> None:
+    # A counter never added to is no series in Prometheus: an increase() alert would
+    # miss the first dead letter after a restart, which would appear already at 1.
+    topic = await topics.create()
+    await pool.execute(support.EFFECTS)
+    consumer = support.consumer(support.record_effect, topic, bootstrap_servers, pool)
+    labels = {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": f"g-{topic}",
+        "messaging.destination.name": topic,
+        "dedup.namespace": f"g-{topic}",
+    }
+
+    async def holding() -> bool:
+        return consumer.assignment == {(topic, 0)}
+
+    async with support.running(consumer):
+        await helpers.wait_for(holding, what="the partition held")
+        assert series(metric_reader, labels) == dict.fromkeys(STARTED_AT_ZERO, 0)
+        await helpers.produce(
+            bootstrap_servers,
+            topic,
+            [(b"z1", orjson.dumps({"id": "z1", "amount": 1})), (b"z2", b"{broken")],
+        )
+        await helpers.wait_for(lambda: _handled(consumer, 2), what="2 messages")
+    # The increments landed on the very series that started at 0.
+    counted = series(metric_reader, labels)
+    assert counted == {
+        **dict.fromkeys(STARTED_AT_ZERO, 0),
+        "dedup.messages.processed": 1,
+        "dedup.messages.dead_lettered": 1,
+    }
+
+
 def points(reader: InMemoryMetricReader) -> list[tuple[str, str, Any]]:
     """Every data point the SDK holds: (metric name, kind, point)."""
     data = reader.get_metrics_data()

@@ -7,7 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import prometheus_client
 import pytest
+from opentelemetry import metrics
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -15,6 +19,7 @@ import dedup
 from dedup import _semconv as semconv
 from dedup import _telemetry as telemetry
 from dedup.data import _sql as sql
+from dedup_dev import docs as docs_support
 
 
 def traceparent(n: int) -> tuple[str, bytes]:
@@ -103,6 +108,46 @@ def test_the_reference_lists_every_metric_the_library_makes_as_made() -> None:
     documented = [(r[0], r[1], r[2], r[4]) for r in reference_rows("metrics")]
     made = [(i.name, i.kind, i.unit, i.description) for i in telemetry.INSTRUMENTS]
     assert documented == made
+
+
+OPERATIONS = Path(__file__).parents[2] / "docs" / "operations.md"
+
+
+def prometheus_names() -> dict[str, str]:
+    """Each instrument's name as the SDK's Prometheus exporter writes it (a counter's sample)."""
+    registry = prometheus_client.CollectorRegistry()
+    reader = PrometheusMetricReader(disable_target_info=True, registry=registry)
+    provider = MeterProvider(metric_readers=[reader])
+    meter = provider.get_meter("names")
+    for instrument in telemetry.INSTRUMENTS:
+        name, unit = instrument.name, instrument.unit
+        if instrument.kind == "counter":
+            meter.create_counter(name, unit=unit).add(1)
+        elif instrument.kind == "histogram":
+            meter.create_histogram(name, unit=unit).record(1)
+        else:
+            meter.create_observable_gauge(
+                name, callbacks=[lambda _: [metrics.Observation(1)]], unit=unit
+            )
+    try:
+        families = {family.name: family.type for family in registry.collect()}
+    finally:
+        provider.shutdown()
+    # prometheus_client names a counter's family without the _total its samples carry.
+    exported = [f"{n}_total" if kind == "counter" else n for n, kind in families.items()]
+    assert len(exported) == len(telemetry.INSTRUMENTS), exported
+    return dict(zip((i.name for i in telemetry.INSTRUMENTS), exported, strict=True))
+
+
+def test_operations_lists_every_metric_by_its_prometheus_name() -> None:
+    every = docs_support.section(OPERATIONS.read_text(encoding="utf-8"), "### Every metric")
+    rows = [line for line in every.splitlines() if line.startswith("| `")]
+    listed = {
+        cells[1]: cells[0]
+        for cells in ([c.strip().strip("`") for c in row.strip("|").split("|")] for row in rows)
+    }
+    assert len(listed) == len(rows), "a metric listed twice"
+    assert listed == prometheus_names()
 
 
 def test_transaction_durations_from_2ms_to_2s_spread_over_many_buckets(
