@@ -3,11 +3,15 @@
 dedup depends on the OpenTelemetry API only; its spans and metrics go nowhere
 until an application installs the SDK.  A bundled service does, here, with the
 SDK's own configurator and the defaults of the OpenTelemetry distro, so every
-standard ``OTEL_*`` variable means what it means under ``opentelemetry-instrument``:
+standard ``OTEL_*`` variable means what it means under ``opentelemetry-instrument``,
+but for one default: a service exports nothing it was not told to.
 
 - ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` / ``OTEL_LOGS_EXPORTER``:
-  ``otlp`` (the default), ``console``, ``prometheus`` (metrics) or ``none``,
-  comma-separated for several.
+  ``otlp``, ``console``, ``prometheus`` (metrics) or ``none``, comma-separated
+  for several.  Unset, a signal's exporter is ``none``, or ``otlp`` when an OTLP
+  endpoint is set for it (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the signal's own
+  ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ...): the distro's ``otlp`` with no
+  collector would retry every export to ``localhost:4317``.
 - ``OTEL_EXPORTER_OTLP_PROTOCOL`` (and the per-signal ones): ``grpc`` (the
   distro's default, port 4317) or ``http/protobuf`` (port 4318); the
   ``OTEL_EXPORTER_OTLP_*`` endpoint, headers, timeout and compression variables.
@@ -30,6 +34,9 @@ from collections.abc import Callable
 PROMETHEUS = "prometheus"
 """The metrics exporter name of opentelemetry-exporter-prometheus (a pull endpoint)."""
 
+SIGNALS = ("traces", "metrics", "logs")
+"""The signals of ``OTEL_<SIGNAL>_EXPORTER``."""
+
 
 def disabled() -> bool:
     """``OTEL_SDK_DISABLED=true``: the SDK is not to be installed."""
@@ -41,7 +48,7 @@ def serve_metrics(port: int) -> None:
 
     The standard variables do it: ``OTEL_EXPORTER_PROMETHEUS_PORT``, and
     ``prometheus`` in ``OTEL_METRICS_EXPORTER``.  An unset (or ``none``)
-    exporter list becomes ``prometheus`` alone, not the distro's ``otlp`` too:
+    exporter list becomes ``prometheus`` alone, whatever OTLP endpoint is set:
     who asks for a scrape endpoint has said where metrics go.
     """
     os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(port)
@@ -50,6 +57,17 @@ def serve_metrics(port: int) -> None:
     if PROMETHEUS not in names:
         names.append(PROMETHEUS)
     os.environ["OTEL_METRICS_EXPORTER"] = ",".join(names)
+
+
+def default_exporters() -> None:
+    """An unset ``OTEL_<SIGNAL>_EXPORTER``: ``otlp`` if an OTLP endpoint is set, else ``none``."""
+    for signal in SIGNALS:
+        variable = f"OTEL_{signal.upper()}_EXPORTER"
+        if os.environ.get(variable, "").strip():
+            continue
+        endpoints = ("OTEL_EXPORTER_OTLP_ENDPOINT", f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+        sent = any(os.environ.get(name, "").strip() for name in endpoints)
+        os.environ[variable] = "otlp" if sent else "none"
 
 
 def setup(service_name: str) -> Callable[[], None]:
@@ -70,6 +88,7 @@ def setup(service_name: str) -> Callable[[], None]:
     # A name from OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES wins; else the service's own.
     if str(Resource.create().attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         os.environ["OTEL_SERVICE_NAME"] = service_name
+    default_exporters()
     # What opentelemetry-instrument runs: the distro's defaults, then the SDK's configurator.
     OpenTelemetryDistro().configure()
     OpenTelemetryConfigurator().configure()  # type: ignore[no-untyped-call]  # (the distro has no hints here)

@@ -34,9 +34,10 @@ Handler = Callable[[dedup.Message, dedup.Tx], Awaitable[object]]
 
 TELEMETRY_HELP = """\
 telemetry (the OpenTelemetry SDK, configured as opentelemetry-instrument does):
-  OTEL_TRACES_EXPORTER    otlp (default), console or none (comma-separate for several)
-  OTEL_METRICS_EXPORTER   otlp (default), console, prometheus or none
-  OTEL_LOGS_EXPORTER      otlp (default), console or none
+  OTEL_TRACES_EXPORTER    otlp, console or none (comma-separate for several); default:
+                          otlp if an OTLP endpoint is set, else none
+  OTEL_METRICS_EXPORTER   otlp, console, prometheus or none; default: the same
+  OTEL_LOGS_EXPORTER      otlp, console or none; default: the same
   OTEL_EXPORTER_OTLP_PROTOCOL  grpc (default, port 4317) or http/protobuf (port 4318)
   OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS, ...: where otlp sends
   OTEL_SERVICE_NAME       default dedup-<service>
