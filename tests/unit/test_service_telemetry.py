@@ -1,13 +1,22 @@
-"""dedup_services.otel: the services' default exporters, read from the environment."""
+"""dedup_services.otel: the services' default exporters, and a flush that closes /metrics.
+
+The SDK is installed in a child interpreter (its providers are global, once
+per process); the defaults are read from the environment it would see.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from dedup_services import otel
 
 EXPORTERS = [f"OTEL_{signal.upper()}_EXPORTER" for signal in otel.SIGNALS]
+CHILD_TIMEOUT = 60
+"""Seconds the child interpreter may take (it imports the SDK and flushes it)."""
 
 
 @pytest.fixture
@@ -47,3 +56,37 @@ def test_an_exporter_set_by_the_user_stays(no_otel: pytest.MonkeyPatch) -> None:
     otel.serve_metrics(9464)
     otel.default_exporters()
     assert exporters() == ["console", "prometheus", "none"]
+
+
+def test_the_flush_closes_the_metrics_endpoint() -> None:
+    script = textwrap.dedent(
+        """
+        import socket, sys, urllib.request
+        from dedup_services import otel
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/metrics"
+        flush = otel.setup("dedup-test", metrics_port=port)
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            print("before", answer.status)
+        flush()
+        try:
+            urllib.request.urlopen(url, timeout=5)
+        except OSError as exc:
+            print("after", type(exc.reason).__name__)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_EXPORTER_PROMETHEUS_HOST"] = "127.0.0.1"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=CHILD_TIMEOUT,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["before 200", "after ConnectionRefusedError"]
