@@ -18,15 +18,13 @@ from dedup_dev.services import ROOT
 DEDUP = str(Path(sys.executable).parent / "dedup")
 
 
-# The SDK's exporters default to otlp (as under opentelemetry-instrument): with no
-# collector here, a service would retry its exports and stop slowly.
-NO_TELEMETRY = {f"OTEL_{signal}_EXPORTER": "none" for signal in ("TRACES", "METRICS", "LOGS")}
-
-
 def environment(dsn: str, bootstrap_servers: str = "", **extra: str) -> dict[str, str]:
-    """The child's environment: this one, the test's services, no telemetry unless asked."""
+    """The child's environment: this one, the test's services, and ``extra``.
+
+    No ``OTEL_*`` of this process's: a service then exports nothing (its default)
+    unless ``extra`` says where.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DEDUP_"))}
-    env.update(NO_TELEMETRY)
     env.update(DEDUP_DSN=dsn, KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers, **extra)
     return env
 

@@ -32,15 +32,17 @@ SQL = Path(__file__).resolve().parent / "sql"
 
 Handler = Callable[[dedup.Message, dedup.Tx], Awaitable[object]]
 
-TELEMETRY_HELP = """\
+TELEMETRY_HELP = f"""\
 telemetry (the OpenTelemetry SDK, configured as opentelemetry-instrument does):
-  OTEL_TRACES_EXPORTER    otlp (default), console or none (comma-separate for several)
-  OTEL_METRICS_EXPORTER   otlp (default), console, prometheus or none
-  OTEL_LOGS_EXPORTER      otlp (default), console or none
+  OTEL_TRACES_EXPORTER    otlp, console or none (comma-separate for several); default:
+                          otlp if an OTLP endpoint is set, else none
+  OTEL_METRICS_EXPORTER   otlp, console, prometheus or none; default: the same
+  OTEL_LOGS_EXPORTER      otlp, console or none; default: the same
   OTEL_EXPORTER_OTLP_PROTOCOL  grpc (default, port 4317) or http/protobuf (port 4318)
   OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS, ...: where otlp sends
   OTEL_SERVICE_NAME       default dedup-<service>
   OTEL_SDK_DISABLED=true  install nothing
+on stop, the exporters get {otel.FLUSH_DEADLINE:g}s to send what they hold
 """
 
 
@@ -216,14 +218,7 @@ async def started(
     if args.migrate_only:
         yield False
         return
-    if args.metrics_port is not None:
-        if otel.disabled():
-            raise dedup.ConfigurationError(
-                "--metrics-port with OTEL_SDK_DISABLED=true: the SDK that would serve"
-                " the metrics is disabled; unset one of them"
-            )
-        otel.serve_metrics(args.metrics_port)
-    shutdown = otel.setup(f"dedup-{name}")
+    shutdown = otel.setup(f"dedup-{name}", metrics_port=args.metrics_port)
     try:
         yield True
     finally:

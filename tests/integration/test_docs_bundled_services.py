@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 import pytest
+from dedup_services import otel
 
 from dedup_dev import docs as docs_support
 from dedup_dev import helpers
@@ -251,6 +252,14 @@ async def test_every_snippet_of_the_bundled_services_howto_works(
         assert await exported.stop(signal.SIGTERM) == 0, await exported.stderr()
     await collector.close()
     assert "/v1/traces" in collector.paths and "/v1/metrics" in collector.paths
+
+
+def test_the_telemetry_section_states_the_flush_deadline() -> None:
+    words = " ".join(docs_support.section(PAGE.read_text(encoding="utf-8"), "## Telemetry").split())
+    assert (
+        f"the exporters get {otel.FLUSH_DEADLINE:g} seconds (`dedup_services.otel.FLUSH_DEADLINE`)"
+        in words
+    )
 
 
 def _python_literal(source: str, name: str) -> Any:

@@ -40,6 +40,18 @@ def test_compose_ports_and_variables_match_the_readme() -> None:
             assert env["DEDUP_DSN"].startswith("postgresql://postgres@postgres:5432/"), name
 
 
+def test_compose_services_send_traces_to_jaeger_and_serve_metrics() -> None:
+    # The services export nothing unless told: the file names each signal's exporter.
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        if "build" in service and "migrate" not in name:
+            env = service["environment"]
+            assert env["OTEL_TRACES_EXPORTER"] == "otlp", name
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
+            assert env["OTEL_METRICS_EXPORTER"] == "prometheus", name
+            assert env["OTEL_LOGS_EXPORTER"] == "none", name
+
+
 def test_compose_file_is_valid_for_the_installed_client() -> None:
     clients = [
         [docker, "compose"]
