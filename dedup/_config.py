@@ -49,6 +49,8 @@ def default_concurrency(batch_handler: bool, batch_size: int) -> int:
 
 
 DEFAULT_HANDLER_TIMEOUT = 30.0
+DEFAULT_MAX_ATTEMPTS = 3
+"""Tries of a message whose handler raises, before it is dead-lettered."""
 DEFAULT_ISOLATION_LEVEL = "read_committed"
 """Records of aborted transactions are skipped (aiokafka's own default is read_uncommitted)."""
 DEFAULT_AUTO_OFFSET_RESET = "earliest"
@@ -120,14 +122,24 @@ class Config:
         limits.check_text("namespace", self.namespace, limits.MAX_NAME_BYTES)
         limits.check_text("holder", self.holder, limits.MAX_NAME_BYTES)
         check_key(self.key)
-        limits.check_number("batch_size", self.batch_size, 1, 100_000, whole=True)
+        check_handling(
+            batch_size=self.batch_size,
+            max_attempts=self.max_attempts,
+            handler_timeout=self.handler_timeout,
+        )
         limits.check_number("concurrency", self.concurrency, 1, 64, whole=True)
-        limits.check_number("max_attempts", self.max_attempts, 1, 1000, whole=True)
-        limits.check_number("handler_timeout", self.handler_timeout, 0.001, 86_400, whole=False)
         limits.check_number("shutdown_timeout", self.shutdown_timeout, 0, 86_400, whole=False)
         limits.check_number(
             "kafka_commit_interval", self.kafka_commit_interval, 0, 3600, whole=False
         )
+
+
+def check_handling(*, batch_size: int, max_attempts: int, handler_timeout: float) -> None:
+    """Refuse settings of how a handler is run that are out of range: the consumer's, and
+    :func:`dedup.testing.deliver`'s."""
+    limits.check_number("batch_size", batch_size, 1, 100_000, whole=True)
+    limits.check_number("max_attempts", max_attempts, 1, 1000, whole=True)
+    limits.check_number("handler_timeout", handler_timeout, 0.001, 86_400, whole=False)
 
 
 def consumer_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -210,23 +210,18 @@ class FastStreamDedup:
         self, records: Sequence[Any], cause: BaseException, attempts: int
     ) -> None:
         # The cause as a dead letter shows it, credentials masked (the DSN's passwords too).
-        described = handler_.describe(cause, conninfo.passwords(self._dsn))
+        secrets = conninfo.passwords(self._dsn)
         letters = []
         for record in records:
             msg = message_.Message.from_record(record)
             store.take_key(self.key, self._missing_key, msg)
-            letters.append(
-                store.DeadLetter(
-                    msg,
-                    f"handler failed {attempts} times",
-                    error=described,
-                    attempts=attempts,
-                )
-            )
+            letters.append(handler_.failed_letter(msg, cause, attempts, secrets))
         pool = await self._get_pool()
         async with pool.acquire() as conn, conn.transaction():
             await self._store.claim(conn, [], dead=letters)
-        log.error("dead-lettered %s after %d attempts: %s", _where(records), attempts, described)
+        log.error(
+            "dead-lettered %s after %d attempts: %s", _where(records), attempts, letters[0].error
+        )
 
 
 class _Delivery(NamedTuple):

@@ -19,7 +19,9 @@ import asyncpg
 from dedup import _errors as errors
 from dedup import _guard as guard
 from dedup import _message as message_
+from dedup import _results as results
 from dedup.data import _conninfo as conninfo
+from dedup.data import _db as db
 
 MessageHandler = Callable[[message_.Message, message_.Tx], Awaitable[object]]
 BatchHandler = Callable[[list[message_.Message], message_.Tx], Awaitable[object]]
@@ -126,6 +128,25 @@ class HandlerExit(BaseException):
     def __init__(self, exit: SystemExit | KeyboardInterrupt) -> None:
         super().__init__(exit)
         self.exit = exit
+
+
+def lost_connection(conn: asyncpg.Connection, exc: BaseException) -> bool:
+    """True when the handler's ``exc`` came from dedup's connection being lost: an outage
+    to run again on a fresh connection, not the handler's failure."""
+    return db.is_broken(conn, exc) and db.is_retriable(exc)
+
+
+def failed_letter(
+    msg: message_.Message, error: BaseException, attempts: int, secrets: Iterable[str] = ()
+) -> results.DeadLetter:
+    """The dead letter of ``msg``, whose handler failed ``attempts`` times, the last with
+    ``error`` (described as :func:`describe` does, ``secrets`` masked)."""
+    return results.DeadLetter(
+        msg,
+        f"handler failed {attempts} times",
+        error=describe(error, secrets),
+        attempts=attempts,
+    )
 
 
 def failed_offset(exc: BaseException) -> int | None:

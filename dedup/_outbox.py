@@ -183,8 +183,8 @@ async def publish(
         conn,
         key=row_key,
         topic=topic,
-        message_key=_bytes(key, "key"),
-        value=_value(value),
+        message_key=as_bytes(key, "publish: key"),
+        value=encode(value, "publish: value"),
         header_names=names,
         header_values=values,
         source=source,
@@ -193,25 +193,30 @@ async def publish(
     return row_key
 
 
-def _value(value: Any) -> bytes | None:
+def encode(value: Any, what: str) -> bytes | None:
+    """``value`` as a record's bytes: bytes as they are, text as UTF-8, None as None (a
+    tombstone), anything else as JSON (orjson); ``what`` names it in the error (``publish:
+    value``).  Also :func:`dedup.testing.record`'s."""
     if value is None or isinstance(value, bytes | bytearray | memoryview | str):
-        return _bytes(value, "value")
+        return as_bytes(value, what)
     try:
         return orjson.dumps(value)
     except TypeError as exc:
         raise errors.ConfigurationError(
-            f"publish: value {value!r:.80} is not bytes, text or JSON ({exc})"
+            f"{what} {value!r:.80} is not bytes, text or JSON ({exc})"
         ) from None
 
 
-def _bytes(value: bytes | bytearray | memoryview | str | None, what: str) -> bytes | None:
+def as_bytes(value: bytes | bytearray | memoryview | str | None, what: str) -> bytes | None:
+    """``value`` (bytes, or text as UTF-8; None as None) as bytes; ``what`` names it in the
+    error (``publish: key``)."""
     if value is None:
         return None
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
-    raise errors.ConfigurationError(f"publish: {what} must be bytes or text, not {value!r:.80}")
+    raise errors.ConfigurationError(f"{what} must be bytes or text, not {value!r:.80}")
 
 
 def _headers(headers: Headers | None) -> tuple[list[str], list[bytes | None]]:
@@ -226,7 +231,7 @@ def _headers(headers: Headers | None) -> tuple[list[str], list[bytes | None]]:
                 f"{TOKEN_HEADER}, which the relay sets"
             )
         names.append(name)
-        values.append(_bytes(value, f"header {name!r}"))
+        values.append(as_bytes(value, f"publish: header {name!r}"))
     return names, values
 
 

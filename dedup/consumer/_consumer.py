@@ -145,7 +145,7 @@ class IdempotentConsumer:
         holder: str | None = None,
         on_missing_key: str = message_.OnMissingKey.DEAD_LETTER,
         on_conflict: str = message_.OnConflict.DEAD_LETTER,
-        max_attempts: int = 3,
+        max_attempts: int = config.DEFAULT_MAX_ATTEMPTS,
         install_signal_handlers: bool = True,
         shutdown_timeout: float = 30.0,
         handler_timeout: float = config.DEFAULT_HANDLER_TIMEOUT,

@@ -468,15 +468,9 @@ class Lane:
                 [Work(w.partition, w.records, w.msgs, w.dead, w.next_offset, w.attempt + 1)]
             )
             return
-        described = handler_.describe(failure.error, self._s.secrets)
+        letter = handler_.failed_letter(msg, failure.error, self._s.max_attempts, self._s.secrets)
         log.warning(
-            "dead-lettering %s after %d attempts: %s", msg.where, self._s.max_attempts, described
-        )
-        letter = results.DeadLetter(
-            msg,
-            f"handler failed {self._s.max_attempts} times",
-            error=described,
-            attempts=self._s.max_attempts,
+            "dead-lettering %s after %d attempts: %s", msg.where, self._s.max_attempts, letter.error
         )
         await self._apply([Work(w.partition, w.records, [], [*w.dead, letter], w.next_offset)])
 

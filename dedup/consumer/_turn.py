@@ -128,9 +128,9 @@ async def _transaction(
             found = await _fence_and_claim(conn, s, parts)
             await _handle(conn, s, parts, found)
             with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema), traced):
-                await _commit(conn, parts)
+                await commit(conn, parts[0])
         except BaseException as exc:
-            await _roll_back(conn, schema, traced)
+            await roll_back(conn, schema, traced)
             if not isinstance(exc, Exception):
                 raise
             # The server ended a session kept idle past its limit: whatever the
@@ -167,7 +167,7 @@ def _transaction_span(
     return telemetry.internal_span("dedup transaction", attributes)
 
 
-async def _roll_back(conn: asyncpg.Connection, schema: str, traced: bool) -> None:
+async def roll_back(conn: asyncpg.Connection, schema: str, traced: bool) -> None:
     """Roll back and reset the session, in one round trip.
 
     Nothing to do once the transaction has ended: a COMMIT that failed (a
@@ -287,7 +287,7 @@ _ABORTED = errors.HandlerError(
 )
 
 
-async def _commit(conn: asyncpg.Connection, parts: Sequence[store.Part]) -> None:
+async def commit(conn: asyncpg.Connection, part: store.Part | None) -> None:
     """Reset the session and COMMIT, in one round trip (``commit_and_reset``).
 
     A handler's ``SET search_path``, ``SET ROLE`` or advisory lock must not meet
@@ -295,14 +295,15 @@ async def _commit(conn: asyncpg.Connection, parts: Sequence[store.Part]) -> None
     COMMIT, so it is one message with it.  A transaction the handler left
     aborted fails here, before the COMMIT, and rolls back; so does one whose
     writes break a deferred constraint, at the COMMIT: both are the handler's
-    failures.
+    failures, raised as :class:`dedup.consumer._retry.HandlerFailed` for ``part``
+    (:func:`dedup.testing.deliver` commits its transactions here too).
     """
     try:
         await conn.execute(db.queries().commit_and_reset.sql)
     except asyncpg.InFailedSQLTransactionError as exc:
-        raise retry.HandlerFailed(_ABORTED, parts[0]) from exc
+        raise retry.HandlerFailed(_ABORTED, part) from exc
     except asyncpg.IntegrityConstraintViolationError as exc:
-        raise retry.HandlerFailed(exc, parts[0]) from exc
+        raise retry.HandlerFailed(exc, part) from exc
 
 
 def _handler_failure(
@@ -316,7 +317,7 @@ def _handler_failure(
     """
     if db.session_timed_out(exc, took, s.idle_timeout):
         return retry.HandlerFailed(_session_cut(s), part)
-    if db.is_broken(conn, exc) and db.is_retriable(exc):
+    if handler_.lost_connection(conn, exc):
         return exc
     return retry.HandlerFailed(exc, part)
 
