@@ -183,7 +183,10 @@ def test_library_wheel_holds_the_typed_dedup_package_only(wheels: Wheels) -> Non
     with zipfile.ZipFile(wheels.library) as whl:
         entry_points = whl.read(f"{dist_info}entry_points.txt").decode()
         metadata = whl.read(f"{dist_info}METADATA").decode()
-    assert entry_points.split() == ["[console_scripts]", "dedup", "=", "dedup.cli._main:main"]
+    assert entry_points.split() == [
+        *("[console_scripts]", "dedup", "=", "dedup.cli._main:main"),
+        *("[pytest11]", "dedup", "=", "dedup.testing._plugin"),
+    ]
     assert "Name: dedup-kafka\n" in metadata
     assert "Classifier: Typing :: Typed" in metadata
     assert "License-Expression: Apache-2.0" in metadata

@@ -9,6 +9,8 @@ import os
 import pkgutil
 import re
 import socket
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -116,13 +118,15 @@ def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[st
 PARTS = ["cli", "consumer", "data", "operations", "tasks"]
 """The library's folders by part (docs/architecture.md): private modules inside, nothing
 exported."""
+FACES = ["keys", "testing"]
+"""The public modules besides ``dedup`` itself, documented as modules (docs/reference/api.md)."""
 
 
-def test_modules_other_than_keys_are_private() -> None:
-    # The face is `dedup` itself (and `dedup.keys`, documented as a module):
-    # everything else is free to change shape without breaking a user.
+def test_modules_other_than_the_faces_are_private() -> None:
+    # The face is `dedup` itself (and `dedup.keys` and `dedup.testing`, documented as
+    # modules): everything else is free to change shape without breaking a user.
     found = pkgutil.iter_modules(dedup.__path__)
-    public = sorted(m.name for m in found if not m.name.startswith("_") and m.name != "keys")
+    public = sorted(m.name for m in found if not m.name.startswith("_") and m.name not in FACES)
     assert public == PARTS
     for name in PARTS:
         part = importlib.import_module(f"dedup.{name}")
@@ -130,6 +134,38 @@ def test_modules_other_than_keys_are_private() -> None:
         assert inside and all(m.startswith("_") for m in inside), (name, inside)
         exported = [n for n in vars(part) if not n.startswith("_") and n not in inside]
         assert exported == [], f"dedup.{name} exports {exported}: its face is `import dedup`"
+
+
+def test_dedup_testing_exports_its_helpers_and_imports_no_pytest() -> None:
+    import dedup.testing
+
+    inside = [m.name for m in pkgutil.iter_modules(dedup.testing.__path__)]
+    assert inside == ["_deliver", "_plugin", "_schema"]
+    exported = sorted(n for n in vars(dedup.testing) if not n.startswith("_") and n not in inside)
+    assert exported == sorted(dedup.testing.__all__)
+    for name in dedup.testing.__all__:
+        value = getattr(dedup.testing, name)
+        assert inspect.getdoc(value), name
+        if callable(value):
+            assert value.__module__ == "dedup.testing", name
+    # The plugin alone imports pytest: `import dedup.testing` works without the extra.
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, dedup.testing; print('pytest' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert imported.stdout == "False\n"
+
+
+def test_deliver_signature() -> None:
+    import dedup.testing
+
+    params = inspect.signature(dedup.testing.deliver).parameters
+    assert list(params)[:2] == ["handler", "records"]
+    for name in ("dsn", "pool", "namespace", "key", "schema", "max_attempts", "batch_size"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert params["max_attempts"].default == dedup._config.DEFAULT_MAX_ATTEMPTS == 3
 
 
 def test_task_states_are_the_strings_stored_in_postgres() -> None:
