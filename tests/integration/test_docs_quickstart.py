@@ -1,9 +1,10 @@
 """The code fragments of docs/quickstart.md (a batch handler, a wrap loop) run as written.
 
-The page's files and commands, from ``pip install`` to the balance moved once,
-are run in order in a fresh virtual environment by
-tests/integration/test_install.py (the newcomer test); here the two fragments
-that are not a program of their own are executed and driven with real records.
+The page's files and commands, from ``pip install`` to the balance moved once
+and the handler's tests with ``dedup.testing``, are run in order in a fresh
+virtual environment by tests/integration/test_install.py (the newcomer test);
+here the two fragments that are not a program of their own are executed and
+driven with real records.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ pytestmark = pytest.mark.docs_page
 
 
 def fragments() -> tuple[str, str, str]:
-    """The page's app, and its batch handler and wrap loop (the last two blocks)."""
+    """The page's app, and its batch handler and wrap loop (the two blocks after the app's
+    stop, in sections 8 and 9)."""
     blocks = docs_support.snippets(PAGE)
     (app,) = [body for lang, body in blocks if body.startswith("# payments_app.py\n")]
-    (_, batch), (_, loop) = blocks[-2:]
-    assert "def apply_payments(msgs: list[dedup.Message]" in batch
-    assert "dedup.wrap(" in loop
+    (batch,) = [body for lang, body in blocks if "async def apply_payments(" in body]
+    (loop,) = [body for lang, body in blocks if "dedup.wrap(" in body]
+    assert [lang for lang, body in blocks if body in (batch, loop)] == ["python", "python"]
     return app, batch, loop
 
 

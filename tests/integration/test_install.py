@@ -383,6 +383,7 @@ async def test_newcomer_follows_the_quickstart_to_a_balance_moved_once(
     assert langs == [
         *("sh", "sh", "console", "console", "python", "console", "python", "sh", "text"),
         *("python", "console", "text", "console", "console", "text", "python", "python"),
+        *("ini", "python", "sh", "text"),
     ]
     (
         _,
@@ -400,7 +401,12 @@ async def test_newcomer_follows_the_quickstart_to_a_balance_moved_once(
         balance,
         audit,
         app_stopped,
-        *_fragments,  # tests/integration/test_docs_quickstart.py runs those
+        _batch_handler,  # tests/integration/test_docs_quickstart.py runs these two fragments
+        _wrap_loop,
+        pytest_ini,
+        test_file,
+        run_tests,
+        tests_passed,
     ) = (body for _, body in QUICKSTART_BLOCKS)
     database = f"newcomer_{uuid.uuid4().hex[:8]}"
     topic = f"quickstart-payments-{uuid.uuid4().hex[:8]}"
@@ -457,6 +463,15 @@ async def test_newcomer_follows_the_quickstart_to_a_balance_moved_once(
         app_process.send_signal(signal.SIGINT)  # Ctrl-C
         assert await asyncio.wait_for(app_process.wait(), 30) == 0, output.text
         await output.shows(app_stopped, topic)
+
+        # Section 10: the testing extra, dedup's pytest plugin from its entry point, on the
+        # page's database (DEDUP_DSN), each test on a schema of its own that is dropped after.
+        _write_file(library_venv.cwd, pytest_ini, ".ini")
+        _write_file(library_venv.cwd, test_file)
+        assert run_tests == "pip install 'dedup-kafka[testing]'\npytest test_payments_app.py\n"
+        tested = library_venv.sh(run_tests, shell)
+        assert docs_support.expected_pattern(tests_passed).fullmatch(tested), tested
+        assert await _dedup_test_schemas(newcomer_dsn) == []
     finally:
         if app_process is not None and app_process.returncode is None:
             app_process.kill()
@@ -487,12 +502,24 @@ class AppOutput:
         await helpers.wait_for(found, within=30, what=f"the app to print:\n{expected}")
 
 
-def _write_file(folder: Path, text: str) -> None:
+def _write_file(folder: Path, text: str, suffix: str = ".py") -> None:
     """A file of the page, under the name its first line gives (``# name.py: ...``)."""
     first = text.splitlines()[0]
-    assert first.startswith("# ") and ".py" in first, first
+    assert first.startswith("# ") and suffix in first, first
     name = first[2:].split(":")[0].strip()
     (folder / name).write_text(text)
+
+
+async def _dedup_test_schemas(dsn: str) -> list[str]:
+    """The schemas dedup.testing made that are still there."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        found = await conn.fetch(
+            "SELECT nspname FROM pg_namespace WHERE starts_with(nspname, 'dedup_test_')"
+        )
+    finally:
+        await conn.close()
+    return [r["nspname"] for r in found]
 
 
 async def _delete_topic(services: Services, topic: str) -> None:
