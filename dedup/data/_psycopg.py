@@ -39,8 +39,7 @@ from psycopg import pq
 from psycopg.rows import RowMaker
 from psycopg.types.string import TextLoader
 
-Server = tuple["str | None", "str | None", "int | None"]
-"""Where a connection is: its database, host and port."""
+from dedup.data import _db_telemetry as db_telemetry
 
 _AS_TEXT = ("json", "jsonb")
 """Types psycopg decodes by default and asyncpg, without codecs, returns as text."""
@@ -121,7 +120,7 @@ class Adapter:
         self.raw = conn
         """The caller's psycopg connection."""
         info = conn.info
-        self.server: Server = (info.dbname, info.host, info.port)
+        self.server: db_telemetry.Server = (info.dbname, info.host, info.port)
         """Where it is connected (libpq knows: no round trip), for the statements' CLIENT spans
         (:mod:`dedup.data._db_telemetry`)."""
 
