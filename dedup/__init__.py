@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from dedup import keys
+from dedup import keys, sync
 from dedup._dispatcher import Dispatcher
 from dedup._errors import (
     ConfigurationError,
@@ -87,6 +87,7 @@ __all__ = [
     "reconcile",
     "run_task",
     "sweep_job",
+    "sync",
     "wrap",
 ]
 
@@ -94,6 +95,6 @@ __all__ = [
 # never as the private module they happen to live in.
 for _name in __all__:
     _value = globals()[_name]
-    if _value is not keys:
+    if _value is not keys and _value is not sync:  # the modules keep their names
         _value.__module__ = "dedup"
 del _name, _value

@@ -78,7 +78,7 @@ class Message:
 
     @classmethod
     def from_record(cls, record: Any) -> Message:
-        """Build a message from an ``aiokafka.ConsumerRecord``."""
+        """Build a message from an ``aiokafka.ConsumerRecord`` (see :func:`of` for others)."""
         raw = record.headers
         if type(raw) is not tuple:
             raw = tuple(raw or ())
@@ -102,6 +102,57 @@ class Message:
             raw,
             value is None,
         )
+
+    @classmethod
+    def from_confluent(cls, record: Any) -> Message:
+        """Build a message from a ``confluent_kafka.Message``, whose fields are methods.
+
+        Raises :class:`dedup.ConfigurationError` for one whose ``error()`` is set
+        (an end of partition, a broker error): it is an event, not a record.
+        """
+        error = record.error()
+        if error is not None:
+            where = ":".join(str(part) for part in (record.topic(), record.partition()))
+            raise errors.ConfigurationError(
+                f"a confluent_kafka.Message with an error is no record to claim: {error} "
+                f"(at {where}); skip such messages (`if msg.error(): ...`) before handing "
+                "the rest to dedup"
+            )
+        raw = tuple(record.headers() or ())
+        headers = {name: b"" if v is None else v for name, v in raw} if raw else {}
+        value = record.value()
+        return cls(
+            record.topic(),
+            record.partition(),
+            record.offset(),
+            record.key(),
+            b"" if value is None else value,
+            headers,
+            record.timestamp()[1],  # (type, milliseconds)
+            "",
+            raw,
+            value is None,
+        )
+
+
+def of(record: Any) -> Message:
+    """``record`` as a :class:`Message`: a ``dedup.Message`` as it is, an aiokafka
+    ``ConsumerRecord`` or a ``confluent_kafka.Message`` built into one.
+
+    Raises :class:`dedup.ConfigurationError` for anything else, and for a
+    confluent message whose ``error()`` is set.
+    """
+    if isinstance(record, Message):
+        return record
+    if callable(getattr(record, "topic", None)):  # confluent_kafka's fields are methods
+        return Message.from_confluent(record)
+    try:
+        return Message.from_record(record)
+    except AttributeError:
+        raise errors.ConfigurationError(
+            f"a record is a {type(record).__module__}.{type(record).__qualname__}; expected an "
+            "aiokafka ConsumerRecord, a confluent_kafka.Message or a dedup.Message"
+        ) from None
 
 
 def decoded(msg: Message) -> Any:
@@ -298,8 +349,11 @@ class ClaimResult:
         headers: outbox.Headers | None = None,
     ) -> str:
         """:meth:`Tx.publish` for a fresh message ``source``, in the claim's transaction ``conn``
-        (asyncpg, or the SQLAlchemy connection or session :func:`dedup.claim` was given)."""
-        driver = await drivers.in_transaction(conn, "ClaimResult.publish")
+        (the connection or session :func:`dedup.claim` was given; after
+        :func:`dedup.sync.claim`, :func:`dedup.sync.publish`)."""
+        driver = await drivers.in_transaction(
+            conn, "ClaimResult.publish", twin="dedup.sync.publish(result, conn, ...)"
+        )
         row_key, origin = _next_row(self.namespace, source, self._published)
         return await outbox.publish(
             driver, self.schema, row_key=row_key, source=origin, token=0,

@@ -81,26 +81,32 @@ async def claim(
 ) -> message_.ClaimResult:
     """Claim the idempotency keys of ``records`` inside your own open transaction.
 
-    ``conn`` is an asyncpg connection inside a transaction, or an SQLAlchemy
-    ``AsyncConnection`` / ``AsyncSession`` (asyncpg dialect) inside one; dedup
-    writes on its driver connection, so the claims commit or roll back with
-    your writes.  ``records`` are aiokafka ``ConsumerRecord`` objects or
-    :class:`dedup.Message` objects, from any topics and partitions.  Apply
+    ``conn`` is an asyncpg connection inside a transaction, a
+    ``psycopg.AsyncConnection`` inside one (or with autocommit off), or an
+    SQLAlchemy ``AsyncConnection`` / ``AsyncSession`` (asyncpg or psycopg
+    dialect) inside one; dedup writes on its driver connection, so the claims
+    commit or roll back with your writes (:func:`dedup.sync.claim` is the same
+    on a blocking psycopg connection).  ``records`` are aiokafka
+    ``ConsumerRecord`` objects, ``confluent_kafka.Message`` objects (none with
+    ``error()`` set) or :class:`dedup.Message` objects, from any topics and
+    partitions.  Apply
     ``result.fresh`` in the same transaction; duplicates and conflicts are
     counted on the key's row and recorded (conflict events) as the consumer
     does, conflicts and keyless records dead-lettered by default.  Offsets stay
     yours: commit them to Kafka after your transaction commits.
 
-    Raises :class:`dedup.ConfigurationError` outside a transaction.
+    Raises :class:`dedup.ConfigurationError` outside a transaction, and for
+    records of no kind above.  Database errors are the driver's own
+    (``asyncpg.PostgresError``, ``psycopg.Error``).
     """
     writes, missing_key = _claimer(key, schema, namespace, on_missing_key, on_conflict)
-    driver = await drivers.in_transaction(conn, "dedup.claim")
+    driver = await drivers.in_transaction(
+        conn, "dedup.claim", twin="dedup.sync.claim(conn, records, ...)"
+    )
     msgs: list[message_.Message] = []
     dead: list[store.DeadLetter] = []
     for record in records:
-        msg = (
-            record if isinstance(record, message_.Message) else message_.Message.from_record(record)
-        )
+        msg = message_.of(record)
         letter = store.take_key(key, missing_key, msg)
         if letter is None:
             msgs.append(msg)

@@ -7,12 +7,15 @@ expected output; the command runs in ``/bin/sh`` and must print exactly that
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from dedup_dev import helpers, kafka
 from dedup_dev.services import ROOT
 
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -119,3 +122,56 @@ def columns(text: str) -> str:
     """Lines with their runs of blanks made one space (a table's widths follow its names)."""
     lines = [" ".join(line.split()) for line in text.strip("\n").splitlines()]
     return "".join(line + "\n" for line in lines)
+
+
+async def until_committed(
+    command: str,
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    started: str,
+    bootstrap_servers: str,
+    group: str,
+    topic: str,
+    partitions: int,
+) -> dict[int, int]:
+    """Run a page's ``command``, a loop that consumes until Ctrl-C, until Kafka holds ``group``'s
+    commit of every record of ``topic``; then Ctrl-C it.
+
+    Its first line must be ``started``, and it must exit 0.  Returns the end
+    offset of each partition that holds records (what was committed).
+    """
+    run = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", f"exec {command}", cwd=cwd, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert run.stdout is not None
+        first = await asyncio.wait_for(run.stdout.readline(), STARTED_WITHIN_S)
+        assert first.decode() == started
+        ends = await kafka.end_offsets(bootstrap_servers, topic, partitions)
+        await committed_to(bootstrap_servers, group, topic, ends)
+    finally:
+        run.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = await asyncio.wait_for(run.communicate(), STOPPED_WITHIN_S)
+    assert run.returncode == 0, err.decode()
+    return {p: end for p, end in ends.items() if end}
+
+
+async def committed_to(
+    bootstrap_servers: str, group: str, topic: str, ends: dict[int, int]
+) -> None:
+    """Wait until ``group``'s committed offset of each partition of ``topic`` holding records
+    is its end in ``ends``."""
+
+    async def there() -> bool:
+        found = await kafka.committed(bootstrap_servers, group, topic)
+        return all(found.get(p) == end for p, end in ends.items() if end)
+
+    await helpers.wait_for(there, what=f"{group}'s Kafka commit of every record", interval=0.5)
+
+
+STARTED_WITHIN_S = 60.0
+"""Seconds a page's loop may take to print its first line (it makes topics, sends records)."""
+STOPPED_WITHIN_S = 30.0
+"""Seconds a page's loop may take to exit after Ctrl-C."""

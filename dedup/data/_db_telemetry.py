@@ -111,17 +111,19 @@ _servers: weakref.WeakKeyDictionary[asyncpg.Connection, Server] = weakref.WeakKe
 
 
 def _server(conn: Any) -> Server:
-    """The database, host and port of ``conn`` (a connection, a proxy or a pool).
+    """The database, host and port of ``conn`` (a connection, a proxy, a pool, an adapter).
 
     asyncpg keeps where it connected on the connection (``_addr``, ``_params``)
-    and on a pool (``_working_addr``, ``_working_params``); reading them costs
-    no round trip.  A connection's answer is kept (a pool's may change).
+    and on a pool (``_working_addr``, ``_working_params``); a psycopg adapter
+    (:mod:`dedup.data._psycopg`) has them from libpq (``server``).  Reading them
+    costs no round trip.  A connection's answer is kept (a pool's may change).
     """
     raw = (
         getattr(conn, "_con", None) if isinstance(conn, asyncpg.pool.PoolConnectionProxy) else conn
     )
     if not isinstance(raw, asyncpg.Connection):
-        return _read_server(conn)
+        located = getattr(conn, "server", None)  # an adapter of dedup.data._psycopg knows it
+        return located if isinstance(located, tuple) else _read_server(conn)
     found = _servers.get(raw)
     if found is None:
         found = _servers[raw] = _read_server(raw)

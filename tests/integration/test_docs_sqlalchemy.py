@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -25,7 +24,6 @@ from typing import Any
 import pytest
 
 from dedup_dev import docs as docs_support
-from dedup_dev import helpers
 from dedup_dev import kafka as kafka_support
 from dedup_dev.kafka import Topics
 from dedup_dev.services import ROOT
@@ -70,20 +68,11 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
     group = "ledger-payments"  # consume()'s default, which run.py keeps
     env = docs_support.shell_env(dsn, bootstrap_servers) | {"LEDGER_TOPIC": topic}
     assert run_command == "python run.py\n"
-    run = await asyncio.create_subprocess_exec(
-        "/bin/sh", "-c", f"exec {run_command}", cwd=tmp_path, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    ends = await docs_support.until_committed(
+        run_command, cwd=tmp_path, env=env,
+        started=f"sent 5 payments to {topic}; consuming until Ctrl-C\n",
+        bootstrap_servers=bootstrap_servers, group=group, topic=topic, partitions=2,
     )  # fmt: skip
-    try:
-        assert run.stdout is not None
-        started = await asyncio.wait_for(run.stdout.readline(), 60)
-        assert started.decode() == f"sent 5 payments to {topic}; consuming until Ctrl-C\n"
-        ends = await kafka_support.end_offsets(bootstrap_servers, topic, 2)
-        await _committed(bootstrap_servers, group, topic, ends)
-    finally:
-        run.send_signal(signal.SIGINT)  # Ctrl-C
-        _, err = await asyncio.wait_for(run.communicate(), 30)
-    assert run.returncode == 0, err.decode()
 
     first = [tuple(r) for r in await pool.fetch(seen_sql)]
     shown = docs_support.run(f'psql "$DEDUP_DSN" -c "{seen_sql}"', env)
@@ -100,7 +89,7 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
             mods["consume"].consume(url, bootstrap_servers, topic=topic, group_id=group)
         )
         try:
-            await _committed(bootstrap_servers, group, topic, ends)
+            await docs_support.committed_to(bootstrap_servers, group, topic, ends)
         finally:
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -124,11 +113,3 @@ async def test_every_snippet_of_the_sqlalchemy_howto_works(
     )
     assert [r["idempotency_key"] for r in dead] == ["p2"], "the conflicting copy, once"
     assert dead[0]["reason"].startswith("conflict: key 'p2' was applied from")
-
-
-async def _committed(bootstrap_servers: str, group: str, topic: str, ends: dict[int, int]) -> None:
-    await helpers.wait_for(
-        lambda: helpers.equal(kafka_support.committed(bootstrap_servers, group, topic), ends),
-        what="the loop's Kafka commit of every record",
-        interval=0.5,
-    )

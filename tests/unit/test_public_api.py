@@ -73,6 +73,21 @@ def test_claim_signature_of_the_contract() -> None:
     assert {"fresh", "duplicates", "conflicts"} <= set(dedup.ClaimResult.__dataclass_fields__)
 
 
+def test_the_blocking_claim_takes_what_claim_takes() -> None:
+    assert dedup.sync.__all__ == ["claim", "publish"]
+    for name in dedup.sync.__all__:
+        assert inspect.getdoc(getattr(dedup.sync, name)), name
+        assert getattr(dedup.sync, name).__module__ == "dedup.sync"
+    twin, claim = (inspect.signature(f) for f in (dedup.sync.claim, dedup.claim))
+    assert twin.parameters == claim.parameters
+    # ClaimResult.publish(self, conn, ...) is dedup.sync.publish(result, conn, ...).
+    publish, blocking = (
+        [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()][1:]
+        for f in (dedup.ClaimResult.publish, dedup.sync.publish)
+    )
+    assert blocking == publish
+
+
 def test_consumer_signature_of_the_contract() -> None:
     params = inspect.signature(dedup.IdempotentConsumer).parameters
     for name in (
@@ -118,13 +133,14 @@ def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[st
 PARTS = ["cli", "consumer", "data", "operations", "tasks"]
 """The library's folders by part (docs/architecture.md): private modules inside, nothing
 exported."""
-FACES = ["keys", "testing"]
-"""The public modules besides ``dedup`` itself, documented as modules (docs/reference/api.md)."""
+FACES = ["keys", "sync", "testing"]
+"""The public modules beside ``dedup`` itself (docs/reference/api.md): the key strategies,
+the blocking face and the test helpers."""
 
 
 def test_modules_other_than_the_faces_are_private() -> None:
-    # The face is `dedup` itself (and `dedup.keys` and `dedup.testing`, documented as
-    # modules): everything else is free to change shape without breaking a user.
+    # The face is `dedup` itself (and `dedup.keys`, `dedup.sync` and `dedup.testing`,
+    # documented as modules): everything else is free to change shape without breaking a user.
     found = pkgutil.iter_modules(dedup.__path__)
     public = sorted(m.name for m in found if not m.name.startswith("_") and m.name not in FACES)
     assert public == PARTS
