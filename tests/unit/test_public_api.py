@@ -138,6 +138,12 @@ FACES = ["keys", "sync", "testing"]
 the blocking face and the test helpers."""
 
 
+HIDDEN = ("_", "@")
+"""Names no user imports: private ones, and those of pytest's assertion rewriting
+(``@py_builtins``), which pytest adds to every module of a distribution with a
+``pytest11`` plugin, as dedup-kafka is once its ``testing`` plugin is installed."""
+
+
 def test_modules_other_than_the_faces_are_private() -> None:
     # The face is `dedup` itself (and `dedup.keys`, `dedup.sync` and `dedup.testing`,
     # documented as modules): everything else is free to change shape without breaking a user.
@@ -148,7 +154,7 @@ def test_modules_other_than_the_faces_are_private() -> None:
         part = importlib.import_module(f"dedup.{name}")
         inside = [m.name for m in pkgutil.iter_modules(part.__path__)]
         assert inside and all(m.startswith("_") for m in inside), (name, inside)
-        exported = [n for n in vars(part) if not n.startswith("_") and n not in inside]
+        exported = [n for n in vars(part) if not n.startswith(HIDDEN) and n not in inside]
         assert exported == [], f"dedup.{name} exports {exported}: its face is `import dedup`"
 
 
@@ -157,7 +163,9 @@ def test_dedup_testing_exports_its_helpers_and_imports_no_pytest() -> None:
 
     inside = [m.name for m in pkgutil.iter_modules(dedup.testing.__path__)]
     assert inside == ["_deliver", "_plugin", "_schema"]
-    exported = sorted(n for n in vars(dedup.testing) if not n.startswith("_") and n not in inside)
+    exported = sorted(
+        n for n in vars(dedup.testing) if not n.startswith(HIDDEN) and n not in inside
+    )
     assert exported == sorted(dedup.testing.__all__)
     for name in dedup.testing.__all__:
         value = getattr(dedup.testing, name)
