@@ -28,6 +28,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
+import asyncpg
+
 from dedup import _config as config
 from dedup import _errors as errors
 from dedup import _guard as guard
@@ -179,32 +181,44 @@ class FastStreamDedup:
         return None
 
     async def _once(self, delivery: _Delivery, records: list[Any], *, batch: bool) -> Any:
-        call_next, msg, context = delivery
         pool = await self._get_pool()
-        async with pool.acquire() as conn, conn.transaction():
-            claimed = await wrap_.claim(conn, records, **self._claim_options)
-            _log_suppressed(context, claimed)
-            if not claimed.fresh:
-                return None
-            fresh = _narrowed(msg, records, claimed.fresh) if batch else msg
-            guarded = guard.GuardedConnection(conn)
-            tx = message_.Tx(
-                conn=guarded,
-                token=0,
-                namespace=claimed.namespace,
-                schema=claimed.schema,
-                source=None if batch else claimed.fresh[0],
-            )
+        async with pool.acquire() as conn:
             try:
-                # "message" too: a batch subscriber's Context("message") is the narrowed one.
-                with context.scopes(((TX, tx), ("message", fresh))):
-                    result = await call_next(fresh)
-                guarded.check_done()
-            except Exception as exc:
-                if db.is_retriable(exc):
-                    raise  # Postgres's trouble, not the record's: FastStream redelivers
+                async with db.around_handler(conn):
+                    return await self._claim_and_call(delivery, conn, records, batch=batch)
+            except (errors.HandlerError, asyncpg.IntegrityConstraintViolationError) as exc:
+                # The COMMIT's: the subscriber left the transaction aborted, or its writes
+                # broke a deferred constraint.  The subscriber's failures, as its errors are.
                 raise _HandlerFailed(exc) from exc
-            return result
+
+    async def _claim_and_call(
+        self, delivery: _Delivery, conn: Any, records: list[Any], *, batch: bool
+    ) -> Any:
+        """Claim the keys; call the subscriber with the fresh records, in ``conn``'s transaction."""
+        call_next, msg, context = delivery
+        claimed = await wrap_.claim(conn, records, **self._claim_options)
+        _log_suppressed(context, claimed)
+        if not claimed.fresh:
+            return None
+        fresh = _narrowed(msg, records, claimed.fresh) if batch else msg
+        guarded = guard.GuardedConnection(conn)
+        tx = message_.Tx(
+            conn=guarded,
+            token=0,
+            namespace=claimed.namespace,
+            schema=claimed.schema,
+            source=None if batch else claimed.fresh[0],
+        )
+        try:
+            # "message" too: a batch subscriber's Context("message") is the narrowed one.
+            with context.scopes(((TX, tx), ("message", fresh))):
+                result = await call_next(fresh)
+            guarded.check_done()
+        except Exception as exc:
+            if db.is_retriable(exc):
+                raise  # Postgres's trouble, not the record's: FastStream redelivers
+            raise _HandlerFailed(exc) from exc
+        return result
 
     async def _dead_letter(
         self, records: Sequence[Any], cause: BaseException, attempts: int

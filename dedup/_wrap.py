@@ -16,6 +16,7 @@ from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import _store as store
 from dedup import keys
+from dedup.data import _db as db
 from dedup.data import _drivers as drivers
 
 
@@ -43,7 +44,7 @@ def wrap(
     async def handle(record: Any) -> message_.Outcome:
         msg = message_.Message.from_record(record)
         letter = store.take_key(key, missing_key, msg)
-        async with pool.acquire() as conn, conn.transaction():
+        async with pool.acquire() as conn, db.around_handler(conn):
             result = await writes.claim(
                 conn, [msg] if letter is None else [], dead=[letter] if letter else []
             )

@@ -254,7 +254,7 @@ async def _handle(
                 result=result,
             )
         except asyncpg.InFailedSQLTransactionError as exc:
-            raise retry.HandlerFailed(_ABORTED, part) from exc
+            raise retry.HandlerFailed(db.ABORTED, part) from exc
 
 
 def _by_token(
@@ -280,13 +280,6 @@ def _failed_part(exc: BaseException, parts: Sequence[store.Part]) -> store.Part 
     return next((p for p in parts if (p.topic, p.partition) == where), None)
 
 
-_ABORTED = errors.HandlerError(
-    "the transaction was aborted by a statement of the handler's that failed (the handler "
-    "caught the error and went on): nothing of the batch can commit; use a savepoint "
-    "(async with tx.conn.transaction()) around a statement that may fail"
-)
-
-
 async def commit(conn: asyncpg.Connection, part: store.Part | None) -> None:
     """Reset the session and COMMIT, in one round trip (``commit_and_reset``).
 
@@ -301,7 +294,7 @@ async def commit(conn: asyncpg.Connection, part: store.Part | None) -> None:
     try:
         await conn.execute(db.queries().commit_and_reset.sql)
     except asyncpg.InFailedSQLTransactionError as exc:
-        raise retry.HandlerFailed(_ABORTED, part) from exc
+        raise retry.HandlerFailed(db.ABORTED, part) from exc
     except asyncpg.IntegrityConstraintViolationError as exc:
         raise retry.HandlerFailed(exc, part) from exc
 

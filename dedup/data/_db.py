@@ -185,6 +185,39 @@ async def transaction(
         yield conn
 
 
+ABORTED = errors.HandlerError(
+    "the transaction was aborted by a statement of the handler's that failed (the handler "
+    "caught the error and went on): nothing of the batch can commit; use a savepoint "
+    "(async with tx.conn.transaction()) around a statement that may fail"
+)
+"""A handler's transaction that can't commit: what the consumer, ``wrap`` and FastStream say."""
+
+
+@contextlib.asynccontextmanager
+async def around_handler(conn: asyncpg.Connection) -> AsyncIterator[asyncpg.Connection]:
+    """BEGIN, then COMMIT if the block returns, ROLLBACK if it raises: a handler's transaction.
+
+    Unlike ``conn.transaction()``, it reads the COMMIT's answer: a handler that
+    caught a failed statement and returned leaves the transaction aborted, and the
+    server answers the COMMIT with ROLLBACK.  asyncpg takes that answer for a
+    commit; this raises :data:`ABORTED` (nothing of it committed).  A ROLLBACK on
+    a connection that is gone lets the block's own error through.
+    """
+    await conn.execute(queries().begin.sql)
+    try:
+        yield conn
+    except BaseException as failed:
+        if conn.is_in_transaction():
+            try:
+                await conn.execute(queries().rollback.sql)
+            except Exception as exc:
+                if not is_broken(conn, exc):
+                    raise exc from failed
+        raise
+    if await conn.execute(queries().commit.sql) != "COMMIT":
+        raise ABORTED
+
+
 def describe_dsn(dsn: str) -> str:
     """The DSN with every password masked, for errors and logs (:func:`conninfo.redact`)."""
     return conninfo.redact(dsn)

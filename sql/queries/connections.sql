@@ -25,6 +25,16 @@ SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; RESET ROLE
 -- A consumer lane's transaction (dedup/_turn.py) begins with the server's defaults.
 BEGIN
 
+-- name: commit
+-- The end of a transaction dedup began around a handler (dedup/_wrap.py,
+-- dedup/_faststream.py): the server answers ROLLBACK, not COMMIT, when a
+-- statement of the handler's failed and the handler went on.
+COMMIT
+
+-- name: rollback
+-- That transaction failed.
+ROLLBACK
+
 -- name: commit_and_reset
 -- The end of a consumer lane's transaction: undo what the handler set on the
 -- session (as reset_session does), then COMMIT, in one round trip.  The reset

@@ -212,3 +212,32 @@ async def test_a_lost_connection_is_redelivered_by_faststream_and_applied_once(
     assert await _applied(pool) == {k: 1 for k in IDS}
     assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 0
     assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == len(IDS)
+
+
+async def test_a_subscriber_that_swallows_a_failed_statement_is_a_failure_not_a_commit(
+    dsn: str, pool: Any, bootstrap_servers: str, topics: Topics
+) -> None:
+    """A failed statement aborts the transaction; the COMMIT then rolls back. Not a success."""
+    topic = await _topic(pool, topics)
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def swallow(order_id: str, tx: dedup.Tx) -> None:
+        if order_id == BAD:
+            with contextlib.suppress(Exception):
+                await tx.conn.execute("SELECT 1 / 0")
+
+    async with _app(dsn, bootstrap_servers, topic, _take(calls, swallow)) as group:
+        await _produce(bootstrap_servers, topic, IDS)
+        await _settled(pool, bootstrap_servers, group, topic, set(IDS) - {BAD})
+
+    assert calls[BAD] == 3
+    assert await _applied(pool) == {k: 1 for k in IDS if k != BAD}
+    [letter] = await pool.fetch("SELECT idempotency_key, error FROM dedup.dead_letters")
+    assert letter["idempotency_key"] == BAD
+    assert letter["error"].startswith("HandlerError: the transaction was aborted by a statement")
+    claimed = await pool.fetchval(
+        "SELECT count(*) FROM dedup.processed WHERE namespace = $1 AND idempotency_key = $2",
+        group,
+        BAD,
+    )
+    assert claimed == 0, "nothing of the aborted transaction committed, its claim neither"

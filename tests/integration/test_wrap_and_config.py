@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import asyncpg
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord
 
 import dedup
 from dedup_dev import effects as support
@@ -73,6 +76,29 @@ async def test_wrap_gives_the_same_guarantees_in_your_own_loop(
         == 0
     ), "the failed handler's claim rolled back with it"
     assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 2
+
+
+async def test_a_handler_that_swallows_a_failed_statement_is_no_success(pool: Any) -> None:
+    """The failed statement aborted the transaction: its COMMIT rolls back, and wrap says so."""
+    await pool.execute("CREATE TABLE swallowed (id text)")
+
+    async def swallow(msg: dedup.Message, tx: dedup.Tx) -> None:
+        await tx.conn.execute("INSERT INTO swallowed VALUES ($1)", msg.json()["id"])
+        with contextlib.suppress(asyncpg.DataError):
+            await tx.conn.execute("SELECT 1 / 0")
+
+    handle = dedup.wrap(swallow, pool=pool, namespace="swallow", key=dedup.keys.json_field("id"))
+    record = ConsumerRecord("t", 0, 0, 0, 0, None, orjson.dumps({"id": "s1"}), None, 0, 0, ())
+    with pytest.raises(dedup.HandlerError, match="the transaction was aborted by a statement"):
+        await handle(record)
+    assert await pool.fetchval("SELECT count(*) FROM swallowed") == 0
+    assert await pool.fetchval("SELECT count(*) FROM dedup.processed") == 0, "nor its claim"
+    # The same record with a handler that doesn't fail: applied, as if for the first time.
+    handle = dedup.wrap(
+        support.record_effect, pool=pool, namespace="swallow", key=dedup.keys.json_field("id")
+    )
+    await pool.execute(support.EFFECTS)
+    assert await handle(record) == dedup.Outcome.PROCESSED
 
 
 def consumer_with(**overrides: Any) -> dedup.IdempotentConsumer:
