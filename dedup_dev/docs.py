@@ -103,8 +103,11 @@ def shell_env(dsn: str, bootstrap_servers: str) -> dict[str, str]:
     return env
 
 
-def run(command: str, env: dict[str, str], cwd: Path = ROOT) -> str:
-    """What ``command`` prints, stdout and stderr interleaved as on a terminal."""
+def run(command: str, env: dict[str, str], cwd: Path = ROOT, *, check: bool = False) -> str:
+    """What ``command`` prints, stdout and stderr interleaved as on a terminal.
+
+    With ``check``, it must exit 0 (a page's step that prints nothing to compare).
+    """
     done = subprocess.run(
         ["/bin/sh", "-c", command],
         stdout=subprocess.PIPE,
@@ -115,6 +118,7 @@ def run(command: str, env: dict[str, str], cwd: Path = ROOT) -> str:
         timeout=120,
         check=False,
     )
+    assert not check or done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stdout}"
     return done.stdout
 
 

@@ -39,7 +39,12 @@ PATTERNS = {
         rf'publish\(\s*"{NAME}"',
         rf'topic: str = "{NAME}"',
     ],
-    "group": [rf'group_id="{NAME}"', rf'group_id: str = "{NAME}"', rf"--group {NAME}"],
+    "group": [
+        rf'group_id="{NAME}"',
+        rf'group_id: str = "{NAME}"',
+        rf'"group\.id": "{NAME}"',  # confluent-kafka's configuration
+        rf"--group {NAME}",
+    ],
     "namespace": [rf'namespace="{NAME}"', rf"--namespace {NAME}"],
     "task": [rf"--task {NAME}", rf'task="{NAME}"', rf'"task": "{NAME}"', rf'\.run\(\s*"{NAME}",'],
 }
@@ -79,9 +84,11 @@ def test_no_two_pages_share_a_name_but_the_bundled_services() -> None:
 
 def test_the_names_are_found() -> None:
     """The patterns see the names, so the check above can fail."""
-    quickstart, sqlalchemy = (names(p) for p in PAGES if p.stem in ("quickstart", "sqlalchemy"))
+    found = {p.stem: names(p) for p in PAGES}
+    quickstart, sqlalchemy, django = found["quickstart"], found["sqlalchemy"], found["django"]
     assert {("table", "accounts"), ("group", "quickstart-app")} <= quickstart
     assert {("table", "ledger_accounts"), ("namespace", "ledger")} <= sqlalchemy
+    assert ("group", "donations") in django
     assert ("table", "accounts") not in sqlalchemy
 
 
