@@ -112,15 +112,9 @@ class Config:
     """Seconds between commits to Kafka and between looks for moved partitions."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.topics, str) or not self.topics:
-            raise errors.ConfigurationError("topics must be a non-empty list of topic names")
-        for i, topic in enumerate(self.topics):
-            limits.check_text(f"topics[{i}]", topic, limits.MAX_TOPIC_BYTES)
-        if not self.group_id:
-            raise errors.ConfigurationError("group_id must be set")
-        limits.check_text("group_id", self.group_id, limits.MAX_NAME_BYTES)
-        limits.check_text("namespace", self.namespace, limits.MAX_NAME_BYTES)
-        limits.check_text("holder", self.holder, limits.MAX_NAME_BYTES)
+        check_group(
+            topics=self.topics, group_id=self.group_id, namespace=self.namespace, holder=self.holder
+        )
         check_key(self.key)
         check_handling(
             batch_size=self.batch_size,
@@ -129,9 +123,26 @@ class Config:
         )
         limits.check_number("concurrency", self.concurrency, 1, 64, whole=True)
         limits.check_number("shutdown_timeout", self.shutdown_timeout, 0, 86_400, whole=False)
-        limits.check_number(
-            "kafka_commit_interval", self.kafka_commit_interval, 0, 3600, whole=False
-        )
+        check_commit_interval(self.kafka_commit_interval)
+
+
+def check_group(*, topics: Sequence[str], group_id: str, namespace: str, holder: str) -> None:
+    """Refuse topics, a group, a namespace or a holder name that are empty or too long: the
+    consumer's, and ``dedup.sync.Consumer``'s."""
+    if isinstance(topics, str) or not topics:
+        raise errors.ConfigurationError("topics must be a non-empty list of topic names")
+    for i, topic in enumerate(topics):
+        limits.check_text(f"topics[{i}]", topic, limits.MAX_TOPIC_BYTES)
+    if not group_id:
+        raise errors.ConfigurationError("group_id must be set")
+    limits.check_text("group_id", group_id, limits.MAX_NAME_BYTES)
+    limits.check_text("namespace", namespace, limits.MAX_NAME_BYTES)
+    limits.check_text("holder", holder, limits.MAX_NAME_BYTES)
+
+
+def check_commit_interval(seconds: float) -> None:
+    """Refuse a ``kafka_commit_interval`` out of range."""
+    limits.check_number("kafka_commit_interval", seconds, 0, 3600, whole=False)
 
 
 def check_handling(*, batch_size: int, max_attempts: int, handler_timeout: float) -> None:

@@ -174,14 +174,15 @@ def _never_started(call: Coroutine[Any, Any, Any]) -> bool:
     return inspect.getcoroutinestate(call) == inspect.CORO_CREATED
 
 
-def check_statement(sql: str) -> None:
-    """Raise HandlerError if any statement of ``sql`` would end the transaction."""
+def check_statement(sql: str, savepoint: str = "async with tx.conn.transaction()") -> None:
+    """Raise HandlerError if any statement of ``sql`` would end the transaction; the error
+    names ``savepoint``, the way to undo part of the handler's work instead."""
     word = _ending_word(sql)
     if word is not None:
         raise errors.HandlerError(
             f"the handler ran {word}: dedup owns the batch's transaction (the idempotency "
             "keys are claimed in it) and commits it after the handler returns; use a "
-            "savepoint (async with tx.conn.transaction()) to undo part of your work"
+            f"savepoint ({savepoint}) to undo part of your work"
         )
 
 

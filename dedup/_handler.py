@@ -55,10 +55,16 @@ async def run(
         try:
             await call(handler(msg, tx), guarded, deadline_s)  # type: ignore[arg-type]
         except Exception as exc:
-            with contextlib.suppress(AttributeError):
-                exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
-                exc._dedup_partition = (msg.topic, msg.partition)  # type: ignore[attr-defined]
+            failed_on(exc, msg)
             raise
+
+
+def failed_on(exc: Exception, msg: message_.Message) -> None:
+    """Note on ``exc`` that a per-message handler raised it for ``msg`` (read back by
+    :func:`failed_offset` and :func:`failed_partition`), so the lane splits around it."""
+    with contextlib.suppress(AttributeError):
+        exc._dedup_offset = msg.offset  # type: ignore[attr-defined]
+        exc._dedup_partition = (msg.topic, msg.partition)  # type: ignore[attr-defined]
 
 
 async def call(

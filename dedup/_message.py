@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import asyncpg
 import orjson
@@ -133,6 +133,19 @@ class Message:
             raw,
             value is None,
         )
+
+
+class Record(NamedTuple):
+    """A record in the shape of aiokafka's ``ConsumerRecord``, for :meth:`Message.from_record`
+    (``dedup.testing``'s records, and confluent-kafka's in ``dedup.sync.Consumer``)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    timestamp: int
 
 
 def of(record: Any) -> Message:

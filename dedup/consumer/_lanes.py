@@ -33,7 +33,7 @@ import collections
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,26 +282,38 @@ class Lane:
             await self._more.wait()
             if self._stopping:
                 return
-            work = self._take()
-            if not work:
+            if not await self.turn():
                 self._more.clear()
-                continue
-            self.rested.clear()
-            try:
-                if await self._marked(work):
-                    # A partition turned out to lie where an earlier holder died: it
-                    # runs alone, a message at a time, from the next turn on.
-                    self._give_back(work)
-                    continue
-                await self._apply(work)
-            except asyncio.CancelledError:
+
+    async def turn(self) -> bool:
+        """Take one turn of what the lane's partitions hold and apply it; False if they hold
+        nothing.
+
+        The lane's task calls it while records come; ``dedup.sync.Consumer``, whose one
+        lane has no task, after each poll, until it returns False.  A turn cancelled
+        (a shutdown, a revoke; in ``dedup.sync.Consumer``, a stop during a backoff)
+        gives its records back and takes back its marks.
+        """
+        work = self._take()
+        if not work:
+            return False
+        self.rested.clear()
+        try:
+            if await self._marked(work):
+                # A partition turned out to lie where an earlier holder died: it
+                # runs alone, a message at a time, from the next turn on.
                 self._give_back(work)
-                await self._unmark(work)
-                raise
-            finally:
-                self.rested.set()
-                for w in work:
-                    w.partition.in_flight = []
+                return True
+            await self._apply(work)
+        except asyncio.CancelledError:
+            self._give_back(work)
+            await self._unmark(work)
+            raise
+        finally:
+            self.rested.set()
+            for w in work:
+                w.partition.in_flight = []
+        return True
 
     # ---------------------------------------------------------------- turns --
 
@@ -428,7 +440,7 @@ class Lane:
             exc,
             delay,
         )
-        await asyncio.sleep(delay)
+        await self._s.sleep(delay)
 
     async def _isolate(
         self, work: list[Work], parts: Sequence[store.Part], failure: retry.HandlerFailed
@@ -463,7 +475,7 @@ class Lane:
             self._stats["retries"] += 1
             telemetry.retries.add(1, w.partition.counted)
             telemetry.transition("retried", {"key": msg.idempotency_key, "attempt": w.attempt + 1})
-            await asyncio.sleep(retry.backoff(w.attempt, retry.HANDLER_BACKOFF))
+            await self._s.sleep(retry.backoff(w.attempt, retry.HANDLER_BACKOFF))
             await self._apply(
                 [Work(w.partition, w.records, w.msgs, w.dead, w.next_offset, w.attempt + 1)]
             )
@@ -636,6 +648,45 @@ class Lane:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.terminate()
+
+
+def ages(
+    owned: Mapping[TopicPartition, Partition], now: float, group_id: str
+) -> list[tuple[float, dict[str, Any]]]:
+    """Per partition of ``owned``: seconds since its oldest record fetched, not committed
+    (0: none), with the gauge's attributes; for the SDK's reader, maybe on another thread."""
+    found: list[tuple[float, dict[str, Any]]] = []
+    for tp, p in list(owned.items()):
+        oldest = p.oldest_unapplied()
+        age = 0.0 if oldest is None else max(now - oldest / 1000, 0.0)
+        found.append((age, telemetry.partition_attributes(group_id, tp)))
+    return found
+
+
+def read_positions(
+    owned: Mapping[TopicPartition, Partition],
+    stored: Mapping[tuple[str, int], results.Position],
+    idle: Mapping[TopicPartition, tuple[int, int | None]],
+    holder: str,
+) -> None:
+    """What the periodic owner look found: ``stored`` (each partition's row) against the
+    partitions ``owned``; ``idle``, where each partition without a turn in flight stood
+    before the look.
+
+    A newer token: ``TAKEN`` (or ``MOVED``, an operator's).  Where an idle partition
+    stood still, a row behind it: ``FORGOTTEN`` (Postgres lost our commits).
+    """
+    for tp, p in owned.items():
+        if p.state is not State.OWNED or p.busy:
+            continue  # a turn in flight finds out from its fence
+        found = stored.get((tp.topic, tp.partition))
+        # Tokens only grow.
+        if found is not None and found.token > p.token:
+            p.taken_over(found)
+        elif idle.get(tp) == (p.token, p.expected):
+            if refusal.judge(found, p.token, p.expected) == refusal.FORGOTTEN:
+                p.found = refusal.resume_at(found, p, holder)
+                p.state = State.FORGOTTEN
 
 
 def place(

@@ -27,11 +27,9 @@ from aiokafka.structs import TopicPartition
 
 from dedup import _errors as errors
 from dedup import _handler as handler_
-from dedup import _results as results
 from dedup import _telemetry as telemetry
 from dedup.consumer import _lanes as lanes
 from dedup.consumer import _out_of_range as out_of_range
-from dedup.consumer import _refusal as refusal
 from dedup.consumer import _retry as retry
 from dedup.consumer import _turn as turn
 from dedup.data import _db as db
@@ -409,14 +407,9 @@ class Partitions:
 
     def oldest_unapplied(self, now: float) -> list[tuple[float, dict[str, Any]]]:
         """Per partition held: seconds since the oldest record fetched, not committed (0: none)."""
-        found: list[tuple[float, dict[str, Any]]] = []
         if self._stopping.is_set():
-            return found
-        for tp, p in list(self.owned.items()):
-            oldest = p.oldest_unapplied()
-            age = 0.0 if oldest is None else max(now - oldest / 1000, 0.0)
-            found.append((age, self._gauge_attributes(tp)))
-        return found
+            return []
+        return lanes.ages(self.owned, now, self._settings.group_id)
 
     def _gauge_attributes(self, tp: TopicPartition) -> dict[str, Any]:
         return telemetry.partition_attributes(self._settings.group_id, tp)
@@ -466,17 +459,7 @@ class Partitions:
                 raise
             log.warning("checking partition owners failed (%r); trying again", exc)
             return
-        for tp, p in self.owned.items():
-            if p.state is not lanes.State.OWNED or p.busy:
-                continue  # a turn in flight finds out from its fence
-            found: results.Position | None = stored.get((tp.topic, tp.partition))
-            # Tokens only grow.
-            if found is not None and found.token > p.token:
-                p.taken_over(found)
-            elif idle.get(tp) == (p.token, p.expected):
-                if refusal.judge(found, p.token, p.expected) == refusal.FORGOTTEN:
-                    p.found = refusal.resume_at(found, p, self._settings.holder)
-                    p.state = lanes.State.FORGOTTEN
+        lanes.read_positions(self.owned, stored, idle, self._settings.holder)
 
     async def commit_kafka(self, *, force: bool = False) -> None:
         """Tell Kafka where Postgres stands, for lag tools; Postgres stays authoritative."""

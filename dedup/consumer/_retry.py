@@ -47,8 +47,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
-
 from dedup import _errors as errors
 from dedup.data import _db as db
 
@@ -99,20 +97,23 @@ def _refused(exc: BaseException) -> bool:
     return isinstance(exc, Refused | errors.StaleTokenError)
 
 
+# By SQLSTATE, so the table holds on asyncpg and psycopg alike (dedup.sync.Consumer).
+
+
 def _deadlock(exc: BaseException) -> bool:
-    return isinstance(exc, asyncpg.DeadlockDetectedError)
+    return db.sqlstate(exc) == "40P01"
 
 
 def _serialization(exc: BaseException) -> bool:
-    return isinstance(exc, asyncpg.SerializationError)
+    return db.sqlstate(exc) == "40001"
 
 
 def _session_cut(exc: BaseException) -> bool:
-    return isinstance(exc, asyncpg.IdleInTransactionSessionTimeoutError)
+    return db.sqlstate(exc) == "25P03"  # idle_in_transaction_session_timeout
 
 
 def _lock_wait(exc: BaseException) -> bool:
-    return isinstance(exc, asyncpg.LockNotAvailableError)
+    return db.sqlstate(exc) == "55P03"
 
 
 def _gone(exc: BaseException) -> bool:

@@ -26,11 +26,12 @@ sit around the COMMIT, once per partition.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,11 @@ class Settings:
     secrets: frozenset[str] = frozenset()
     """The passwords this consumer was given (its DSN's, the SASL password): masked wherever a
     handler's error quotes them (dedup._handler.describe)."""
+    run_handler: Callable[..., Awaitable[None]] = handler_.run
+    """How the handler is called (:func:`dedup._handler.run`'s arguments): awaited within
+    ``handler_timeout``; ``dedup.sync.Consumer`` calls its blocking handler instead."""
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    """How a lane waits out a backoff: ``asyncio.sleep``; ``dedup.sync.Consumer`` blocks."""
 
 
 async def run(
@@ -221,7 +227,7 @@ async def _handle(
             continue
         started = time.monotonic()
         try:
-            await handler_.run(
+            await s.run_handler(
                 s.handler,
                 batch_handler=s.batch_handler,
                 msgs=msgs,
@@ -253,8 +259,10 @@ async def _handle(
                 dead=part.dead,
                 result=result,
             )
-        except asyncpg.InFailedSQLTransactionError as exc:
-            raise retry.HandlerFailed(db.ABORTED, part) from exc
+        except Exception as exc:
+            if db.sqlstate(exc) == _IN_FAILED_TRANSACTION:
+                raise retry.HandlerFailed(db.ABORTED, part) from exc
+            raise
 
 
 def _by_token(
@@ -280,6 +288,10 @@ def _failed_part(exc: BaseException, parts: Sequence[store.Part]) -> store.Part 
     return next((p for p in parts if (p.topic, p.partition) == where), None)
 
 
+_IN_FAILED_TRANSACTION = "25P02"
+"""The SQLSTATE of a statement sent in a transaction a failed statement aborted."""
+
+
 async def commit(conn: asyncpg.Connection, part: store.Part | None) -> None:
     """Reset the session and COMMIT, in one round trip (``commit_and_reset``).
 
@@ -293,10 +305,14 @@ async def commit(conn: asyncpg.Connection, part: store.Part | None) -> None:
     """
     try:
         await conn.execute(db.queries().commit_and_reset.sql)
-    except asyncpg.InFailedSQLTransactionError as exc:
-        raise retry.HandlerFailed(db.ABORTED, part) from exc
-    except asyncpg.IntegrityConstraintViolationError as exc:
-        raise retry.HandlerFailed(exc, part) from exc
+    except Exception as exc:
+        # By SQLSTATE: the same rule on asyncpg and psycopg (dedup.sync.Consumer).
+        state = db.sqlstate(exc)
+        if state == _IN_FAILED_TRANSACTION:
+            raise retry.HandlerFailed(db.ABORTED, part) from exc
+        if state.startswith("23"):  # integrity constraint violation
+            raise retry.HandlerFailed(exc, part) from exc
+        raise
 
 
 def _handler_failure(

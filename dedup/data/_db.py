@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -276,23 +277,45 @@ DATABASE_ERRORS = (
 """What talking to Postgres can raise; :func:`is_retriable` tells which are transient."""
 
 
+def sqlstate(exc: BaseException) -> str:
+    """The SQLSTATE of a database error, asyncpg's or psycopg's (``""``: none).
+
+    dedup's rules read errors by their SQLSTATE, so they hold on either driver:
+    ``40P01`` is a deadlock whichever class carries it.
+    """
+    state = getattr(exc, "sqlstate", None)
+    return state if isinstance(state, str) else ""
+
+
+def _psycopg_lost(exc: BaseException) -> bool:
+    """True for psycopg's own errors of a connection that went away (no SQLSTATE: the
+    client saw the socket close) or is closed; psycopg is only asked once it is imported."""
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is None:
+        return False
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and not sqlstate(exc)
+
+
 def session_timed_out(exc: BaseException, took: float, idle_timeout: float) -> bool:
     """True when the server cut a session for idling in its transaction (``took`` seconds
     after it began, with ``idle_in_transaction_session_timeout`` = ``idle_timeout``)."""
-    if isinstance(exc, asyncpg.IdleInTransactionSessionTimeoutError):
+    if sqlstate(exc) == "25P03":  # idle_in_transaction_session_timeout
         return True
     lost = isinstance(exc, asyncpg.ConnectionDoesNotExistError | asyncpg.InterfaceError)
-    return lost and took >= idle_timeout
+    return (lost or _psycopg_lost(exc)) and took >= idle_timeout
 
 
 def is_retriable(exc: BaseException) -> bool:
-    """True when ``exc`` is a transient failure of Postgres or the network."""
+    """True when ``exc`` is a transient failure of Postgres or the network (asyncpg's or
+    psycopg's)."""
     if isinstance(exc, errors.DedupError):
         return exc.retriable
-    if isinstance(exc, asyncpg.PostgresError):
-        state = getattr(exc, "sqlstate", None) or ""
+    state = sqlstate(exc)
+    if state:
         return state.startswith("08") or state in _RETRIABLE_STATES
-    return isinstance(
+    return _psycopg_lost(exc) or isinstance(
         exc,
         OSError | asyncio.TimeoutError | asyncpg.InterfaceError | asyncpg.InternalClientError,
     )
@@ -300,7 +323,7 @@ def is_retriable(exc: BaseException) -> bool:
 
 def is_broken(conn: asyncpg.Connection, exc: BaseException) -> bool:
     """True when ``exc`` left ``conn`` unusable for good (closed, or released by its pool)."""
-    if isinstance(exc, asyncpg.InterfaceError):
+    if isinstance(exc, asyncpg.InterfaceError) or _psycopg_lost(exc):
         return True
     try:
         return bool(conn.is_closed())

@@ -124,6 +124,10 @@ class Adapter:
         """Where it is connected (libpq knows: no round trip), for the statements' CLIENT spans
         (:mod:`dedup.data._db_telemetry`)."""
 
+    def is_closed(self) -> bool:
+        """Whether the connection is closed, or was lost (libpq saw it break)."""
+        return bool(self.raw.closed)
+
     def is_in_transaction(self) -> bool:
         """Whether dedup's statements run in a transaction that the caller ends.
 

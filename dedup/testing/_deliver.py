@@ -26,7 +26,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import asyncpg
 
@@ -230,18 +230,6 @@ async def deliver(
     return Delivery(tuple(Delivered(m, run.outcomes[id(m)], run.failures.get(id(m))) for m in msgs))
 
 
-class _Raw(NamedTuple):
-    """A record in the shape of aiokafka's ``ConsumerRecord``, for ``Message.from_record``."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    timestamp: int
-
-
 def _messages(records: Iterable[object]) -> list[message_.Message]:
     """A new message for each of ``records``, each record placed at its offset."""
     if isinstance(records, bytes | bytearray | str | Mapping | Record | message_.Message):
@@ -263,7 +251,7 @@ def _messages(records: Iterable[object]) -> list[message_.Message]:
             where = (found.topic, found.partition)
             offset = following.get(where, 0) if found.offset is None else found.offset
             msg = message_.Message.from_record(
-                _Raw(
+                message_.Record(
                     found.topic,
                     found.partition,
                     offset,
