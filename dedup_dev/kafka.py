@@ -110,6 +110,40 @@ async def produce(
     return sent
 
 
+def produce_confluent(
+    bootstrap_servers: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    *,
+    partition: int | None = None,
+) -> int:
+    """:func:`produce` with confluent-kafka's producer (librdkafka), blocking: send ``(key,
+    value)`` records, wait until all are acknowledged; return the count."""
+    import confluent_kafka
+
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 5})
+    failed: list[str] = []
+
+    def delivered(err: object, _: object) -> None:
+        if err is not None:
+            failed.append(str(err))
+
+    sent = 0
+    # librdkafka's "any partition" (the partitioner picks one by key).
+    where = -1 if partition is None else partition
+    for key, value in records:
+        while True:
+            try:
+                producer.produce(topic, value, key=key, partition=where, on_delivery=delivered)
+                break
+            except BufferError:  # the local queue is full: let it drain
+                producer.poll(0.1)
+        sent += 1
+    if producer.flush(30) or failed:
+        raise RuntimeError(f"confluent-kafka could not deliver to {topic}: {failed[:3]}")
+    return sent
+
+
 async def committed(bootstrap_servers: str, group: str, topic: str | None = None) -> dict[int, int]:
     """Kafka's committed offset of each partition of ``group`` (as Kafka's lag tools read it).
 

@@ -15,8 +15,10 @@ imports the layers below it and ``dedup.sync._drive``.
 from __future__ import annotations
 
 from dedup.sync._claim import claim, publish
+from dedup.sync._consumer import Consumer
+from dedup.sync._handler import Tx
 
-__all__ = ["claim", "publish"]
+__all__ = ["Consumer", "Tx", "claim", "publish"]
 
 for _name in __all__:
     globals()[_name].__module__ = "dedup.sync"

@@ -74,7 +74,7 @@ def test_claim_signature_of_the_contract() -> None:
 
 
 def test_the_blocking_claim_takes_what_claim_takes() -> None:
-    assert dedup.sync.__all__ == ["claim", "publish"]
+    assert dedup.sync.__all__ == ["Consumer", "Tx", "claim", "publish"]
     for name in dedup.sync.__all__:
         assert inspect.getdoc(getattr(dedup.sync, name)), name
         assert getattr(dedup.sync, name).__module__ == "dedup.sync"
@@ -86,6 +86,37 @@ def test_the_blocking_claim_takes_what_claim_takes() -> None:
         for f in (dedup.ClaimResult.publish, dedup.sync.publish)
     )
     assert blocking == publish
+
+
+SHARED_SETTINGS = (
+    *("key", "namespace", "schema", "batch_size", "batch", "holder", "on_missing_key"),
+    *("on_conflict", "max_attempts", "handler_timeout", "kafka_commit_interval"),
+    "install_signal_handlers",
+)
+"""The settings dedup.sync.Consumer shares with IdempotentConsumer: same names, same defaults."""
+
+
+def test_the_blocking_consumer_takes_the_consumers_settings() -> None:
+    blocking = inspect.signature(dedup.sync.Consumer).parameters
+    consumer = inspect.signature(dedup.IdempotentConsumer).parameters
+    assert next(iter(blocking)) == "handler"
+    for name in ("topics", "group_id", "config", "dsn", "connection", *SHARED_SETTINGS):
+        assert blocking[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    for name in SHARED_SETTINGS:
+        assert blocking[name].default == consumer[name].default, name
+    # tx.lock, tx.publish and tx.post: dedup.Tx's, blocking.
+    for name in ("lock", "publish", "post"):
+        twin, method = (
+            [
+                (p.name, p.kind, p.default)
+                for p in inspect.signature(getattr(t, name)).parameters.values()
+            ]
+            for t in (dedup.sync.Tx, dedup.Tx)
+        )
+        assert twin == method, name
+        assert inspect.getdoc(getattr(dedup.sync.Tx, name)), name
+    for name in ("conn", "token", "namespace", "schema", "source"):
+        assert hasattr(dedup.sync.Tx, name), name
 
 
 def test_consumer_signature_of_the_contract() -> None:

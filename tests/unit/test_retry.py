@@ -5,6 +5,7 @@ action the table in the module's docstring gives it."""
 from __future__ import annotations
 
 import asyncpg
+import psycopg
 import pytest
 from aiokafka.structs import TopicPartition
 
@@ -44,6 +45,17 @@ def pg(cls: type[asyncpg.PostgresError], message: str = "x") -> asyncpg.Postgres
         (pg(asyncpg.UniqueViolationError), True, Action.SPLIT, None),
         (pg(asyncpg.UndefinedTableError), False, Action.STOP, None),
         (RuntimeError("a bug of dedup's"), False, Action.STOP, None),
+        # psycopg's errors (dedup.sync.Consumer), read by the same SQLSTATEs.
+        (psycopg.errors.DeadlockDetected("x"), True, Action.AGAIN, "deadlocks"),
+        (psycopg.errors.SerializationFailure("x"), False, Action.AGAIN, "retries"),
+        (psycopg.errors.LockNotAvailable("x"), True, Action.SPLIT, None),
+        (psycopg.errors.LockNotAvailable("x"), False, Action.AGAIN, "retries"),
+        (psycopg.errors.IdleInTransactionSessionTimeout("x"), True, Action.SPLIT, None),
+        (psycopg.errors.AdminShutdown("x"), False, Action.AGAIN, "retries"),
+        (psycopg.OperationalError("server closed the connection"), False, Action.AGAIN, "retries"),
+        (psycopg.InterfaceError("the connection is closed"), False, Action.AGAIN, "retries"),
+        (psycopg.errors.UniqueViolation("x"), True, Action.SPLIT, None),
+        (psycopg.errors.UndefinedTable("x"), False, Action.STOP, None),
     ],
 )
 def test_each_error_gets_the_action_of_its_row(
