@@ -137,7 +137,7 @@ class Message:
 
 class Record(NamedTuple):
     """A record in the shape of aiokafka's ``ConsumerRecord``, for :meth:`Message.from_record`
-    (``dedup.testing``'s records, and confluent-kafka's in ``dedup.sync.Consumer``)."""
+    (``dedup.testing``'s records)."""
 
     topic: str
     partition: int

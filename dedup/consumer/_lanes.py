@@ -359,7 +359,7 @@ class Lane:
         dead: list[results.DeadLetter] = []
         # Once per record: the names looked up once.
         strategy, on_missing_key = self._s.key, self._s.on_missing_key
-        from_record, take_key = message_.Message.from_record, store.take_key
+        from_record, take_key = self._s.message, store.take_key
         for record in records:
             if record.offset < floor:
                 continue

@@ -40,6 +40,7 @@ import asyncpg
 from dedup import _errors as errors
 from dedup import _faults as faults
 from dedup import _handler as handler_
+from dedup import _message as message_
 from dedup import _results as results
 from dedup import _semconv as semconv
 from dedup import _store as store
@@ -78,6 +79,9 @@ class Settings:
     ``handler_timeout``; ``dedup.sync.Consumer`` calls its blocking handler instead."""
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     """How a lane waits out a backoff: ``asyncio.sleep``; ``dedup.sync.Consumer`` blocks."""
+    message: Callable[[Any], message_.Message] = message_.Message.from_record
+    """A fetched record as a message: aiokafka's ``ConsumerRecord`` built into one;
+    ``dedup.sync.Consumer`` queues messages it built from confluent-kafka's."""
 
 
 async def run(

@@ -267,6 +267,7 @@ class Consumer:
             secrets=self._secrets,
             run_handler=sync_handler.run,
             sleep=self._sleep,
+            message=_as_it_is,
         )
         self._lane = lanes.Lane(0, self._db, self._settings, self._stats, _nothing)
         try:
@@ -334,28 +335,20 @@ class Consumer:
                 self._commit_kafka(kafka, self._owned.values())
 
     def _feed(self, ck: Any, messages: list[Any]) -> None:
-        """Hand each partition its records."""
-        fed: dict[tuple[str, int], list[message_.Record]] = {}
+        """Hand each partition its records, as messages (the lane takes them as they are)."""
+        fed: dict[tuple[str, int], list[message_.Message]] = {}
+        from_confluent = message_.Message.from_confluent
         for m in messages:
-            if m.error() is not None:
-                self._kafka_error(ck, m.error())
+            error = m.error()
+            if error is not None:
+                self._kafka_error(ck, error)
                 continue
-            where = (m.topic(), m.partition())
+            msg = from_confluent(m)
+            where = (msg.topic, msg.partition)
             records = fed.get(where)
             if records is None:
                 records = fed[where] = []
-            headers = m.headers()
-            records.append(
-                message_.Record(
-                    where[0],
-                    where[1],
-                    m.offset(),
-                    m.key(),
-                    m.value(),
-                    tuple(headers) if headers else (),
-                    m.timestamp()[1],
-                )
-            )
+            records.append(msg)
         for where, records in fed.items():
             p = self._owned.get(TopicPartition(*where))
             if p is not None and p.state is lanes.State.OWNED:  # else revoked or taken since
@@ -627,6 +620,11 @@ class Consumer:
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _as_it_is(msg: message_.Message) -> message_.Message:
+    """The lane's record as a message: :meth:`Consumer._feed` queued it built."""
+    return msg
 
 
 def _nothing(_: TopicPartition) -> None:
