@@ -26,13 +26,15 @@ import asyncio
 import collections
 import functools
 import os
+import re
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 import orjson
@@ -51,6 +53,8 @@ ARMS = (
     "dedup_batch_traced",
     "hot_rows",
     "hot_rows_serial",
+    "handwritten_confluent",
+    "dedup_confluent",
 )
 """The arms, in the order they run within a round."""
 
@@ -59,7 +63,16 @@ HOT_ARMS = ("hot_rows", "hot_rows_serial")
 and the same with ``concurrency=1``."""
 PER_MESSAGE_ARMS = ("naive", "dedup_per_message")
 """One transaction per message: they may read a smaller topic (``--per-message-messages``)."""
-DEDUP_ARMS = ("dedup_per_message", "dedup_batch", "dedup_batch_traced", *HOT_ARMS)
+CONFLUENT_ARMS = ("handwritten_confluent", "dedup_confluent")
+"""Blocking arms on confluent-kafka and psycopg, without asyncio: the loop a user of those writes
+by hand, and dedup.sync.Consumer on the same workload."""
+DEDUP_ARMS = (
+    "dedup_per_message",
+    "dedup_batch",
+    "dedup_batch_traced",
+    *HOT_ARMS,
+    "dedup_confluent",
+)
 HOT_MESSAGES = 50_000
 """Payments in the hot-row topic by default (fewer when ``--messages`` is smaller)."""
 SWEEP_PREFIX = "dedup_batch@"
@@ -235,6 +248,12 @@ class Clock:
         if self.measure_latency:
             self.pending[key].extend(where)
 
+    def pend(self, key: int, where: Sequence[tuple[int, int]]) -> None:
+        """These (partition, offset) were applied in the open transaction of connection ``key``
+        (an arm that tells :meth:`committed` itself when it commits: the psycopg arms)."""
+        if self.measure_latency:
+            self.pending.setdefault(key, []).extend(where)
+
     def _logged(self, key: int, record: Any) -> None:
         if self.query_times and self.first_fetch is not None:
             name = " ".join(record.query.split())[:60]
@@ -250,6 +269,10 @@ class Clock:
             return
         if record.exception is not None or not last.startswith("COMMIT"):
             return
+        self.committed(key)
+
+    def committed(self, key: int) -> None:
+        """The transaction on connection ``key`` committed now."""
         now = time.perf_counter()
         self.last_commit = now
         self.commits += 1
@@ -716,6 +739,187 @@ async def _dedup_done(conn: asyncpg.Connection, cfg: Config) -> bool:
     return True
 
 
+# ------------------------------------------------ confluent-kafka + psycopg --
+
+
+def _psycopg(statement: str) -> str:
+    """A statement of the asyncpg arms with psycopg's placeholders (each ``$n`` is used once,
+    in order)."""
+    return re.sub(r"\$\d+", "%s", statement)
+
+
+CLAIM_MANY_PSYCOPG = _psycopg(CLAIM_MANY)
+EFFECT_MANY_PSYCOPG = _psycopg(workload.EFFECT_MANY)
+ACCOUNT_MANY_PSYCOPG = _psycopg(workload.ACCOUNT_MANY)
+
+
+class _Seen(NamedTuple):
+    """A confluent-kafka record as the clock reads it."""
+
+    partition: int
+    offset: int
+    timestamp: int
+
+
+def _timed_confluent(clock: Clock) -> Any:
+    """confluent-kafka's consumer, noting when ``consume()`` hands records to code: the clock of
+    both confluent arms (getmany's hook, for them).  It replaces ``confluent_kafka.Consumer``,
+    the name dedup.sync.Consumer makes its consumer from."""
+    import confluent_kafka
+
+    class TimedConsumer(confluent_kafka.Consumer):
+        def consume(self, *args: Any, **kwargs: Any) -> list[Any]:
+            msgs: list[Any] = super().consume(*args, **kwargs)
+            seen = [
+                _Seen(m.partition(), m.offset(), m.timestamp()[1])
+                for m in msgs
+                if m.error() is None
+            ]
+            if seen:
+                clock.saw(seen)
+            return msgs
+
+    confluent_kafka.Consumer = TimedConsumer  # type: ignore[misc]
+    return TimedConsumer
+
+
+def _confluent_config(cfg: Config) -> dict[str, Any]:
+    """The consumer settings both confluent arms start from."""
+    return {"bootstrap.servers": cfg.bootstrap_servers, "auto.offset.reset": "earliest"}
+
+
+def run_handwritten_confluent(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """The loop a confluent-kafka + psycopg user writes: ``consume()`` a batch (500), one
+    transaction claiming the keys (``ON CONFLICT DO NOTHING``) and writing the fresh ones'
+    effects set-based, COMMIT, then commit the offsets to Kafka (asynchronously)."""
+    import confluent_kafka
+    import psycopg
+
+    consumer = _timed_confluent(clock)(
+        {**_confluent_config(cfg), "group.id": cfg.group_id, "enable.auto.commit": False}
+    )
+    consumer.subscribe([cfg.topic])
+    progress = Progress(cfg.end_offsets)
+    deadline = time.monotonic() + cfg.timeout_s
+    try:
+        with psycopg.connect(cfg.dsn) as conn:
+            while not progress.done:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not done after {cfg.timeout_s:g}s")
+                records = []
+                for msg in consumer.consume(num_messages=HANDWRITTEN_BATCH, timeout=1.0):
+                    if msg.error() is None:
+                        records.append(msg)
+                    elif msg.error().fatal():
+                        raise confluent_kafka.KafkaException(msg.error())
+                if not records:
+                    continue
+                next_offsets = _apply_batch_psycopg(conn, clock, records)
+                consumer.commit(asynchronous=True)
+                for partition, next_offset in next_offsets.items():
+                    progress.at(partition, next_offset)
+    finally:
+        consumer.close()
+    return clock.result(total)
+
+
+def _apply_batch_psycopg(conn: Any, clock: Clock, records: Sequence[Any]) -> dict[int, int]:
+    """:func:`_apply_batch` on psycopg, offsets left to Kafka: partition -> next offset."""
+    decoded = [(r, *_fields(r.value())) for r in records]
+    next_offsets: dict[int, int] = {}
+    for r in records:
+        next_offsets[r.partition()] = max(next_offsets.get(r.partition(), 0), r.offset() + 1)
+    with conn.transaction():
+        claimed = conn.execute(CLAIM_MANY_PSYCOPG, ([d[1] for d in decoded],))
+        fresh = {row[0] for row in claimed}
+        first = []
+        for d in decoded:
+            if d[1] in fresh:
+                fresh.discard(d[1])
+                first.append(d)
+        if first:
+            conn.execute(
+                EFFECT_MANY_PSYCOPG,
+                ([d[1] for d in first], [d[2] for d in first], [d[3] for d in first]),
+            )
+            conn.execute(ACCOUNT_MANY_PSYCOPG, ([d[2] for d in first], [d[3] for d in first]))
+        clock.pend(0, [(d[0].partition(), d[0].offset()) for d in first])
+    clock.committed(0)
+    return next_offsets
+
+
+def run_dedup_confluent(cfg: Config, clock: Clock, total: int) -> dict[str, Any]:
+    """dedup.sync.Consumer with the handwritten arm's two set-based writes, on psycopg."""
+    import dedup
+    from dedup import _faults as faults
+
+    _timed_confluent(clock)
+    progress = Progress(cfg.end_offsets)
+    end: list[float] = []
+
+    def handle(msgs: list[dedup.Message], tx: dedup.sync.Tx) -> None:
+        decoded = [m.json() for m in msgs]
+        tx.conn.execute(
+            EFFECT_MANY_PSYCOPG,
+            (
+                [d["id"] for d in decoded],
+                [d["account"] for d in decoded],
+                [d["amount"] for d in decoded],
+            ),
+        )
+        tx.conn.execute(
+            ACCOUNT_MANY_PSYCOPG, ([d["account"] for d in decoded], [d["amount"] for d in decoded])
+        )
+        clock.pend(0, [(m.partition, m.offset) for m in msgs])
+
+    tried = orjson.loads(os.environ.get("BENCH_DEDUP_OPTIONS", "{}"))
+    options: dict[str, Any] = {"batch": True, **tried, **cfg.dedup_options}
+    if cfg.batch_size is not None:
+        options["batch_size"] = cfg.batch_size
+    consumer = dedup.sync.Consumer(
+        handle,
+        topics=[cfg.topic],
+        group_id=cfg.group_id,
+        config=_confluent_config(cfg),
+        dsn=cfg.dsn,
+        key=dedup.keys.json_field("id"),
+        install_signal_handlers=False,
+        **options,
+    )
+
+    async def after_commit(*, msgs: Any, dead: Any, result: Any, **_: Any) -> None:
+        # Once per partition of the transaction, after its COMMIT (dedup._faults).
+        if clock.pending.get(0):
+            clock.committed(0)
+        else:
+            clock.last_commit = time.perf_counter()
+        last = msgs[-1] if msgs else dead[-1].msg
+        progress.at(last.partition, result.next_offset)
+        if progress.done and not end:
+            end.append(time.perf_counter())
+            consumer.stop()
+
+    timer = threading.Timer(cfg.timeout_s, consumer.stop)
+    timer.start()
+    try:
+        with faults.install(faults.Point.AFTER_COMMIT, after_commit):
+            consumer.run()
+    finally:
+        timer.cancel()
+    if not end:
+        raise RuntimeError("the consumer stopped before consuming the whole topic")
+    result = clock.result(total, end[0])
+    result["stats"] = dict(consumer.stats)
+    return result
+
+
+BLOCKING_RUNNERS: dict[str, Callable[[Config, Clock, int], dict[str, Any]]] = {
+    "handwritten_confluent": run_handwritten_confluent,
+    "dedup_confluent": run_dedup_confluent,
+}
+"""The arms without asyncio: run in the process's main thread, as a worker runs them."""
+
+
 RUNNERS = {
     "raw": run_raw,
     "naive": run_naive,
@@ -736,8 +940,12 @@ async def prepare(cfg: Config) -> None:
             await conn.execute(workload.HOT_OPEN_ACCOUNTS, names)
             return
         await conn.execute(workload.BUSINESS_DDL)
-        if cfg.arm in ("naive", "handwritten", "handwritten_concurrent"):
+        if cfg.arm in ("naive", "handwritten", "handwritten_concurrent", "handwritten_confluent"):
             await conn.execute(CLAIMS_DDL)
+        if cfg.arm == "dedup_confluent":
+            import dedup
+
+            await dedup.migrate(cfg.dsn)
     finally:
         await conn.close()
 
@@ -767,8 +975,13 @@ async def main(cfg: Config) -> dict[str, Any]:
         warmup_s=cfg.warmup_s,
     )
     clock.install_kafka_hook()
-    runner = RUNNERS.get(cfg.arm, run_dedup)
-    result = await asyncio.wait_for(runner(cfg, clock, expected.messages), cfg.timeout_s)
+    blocking = BLOCKING_RUNNERS.get(cfg.arm)
+    if blocking is not None:
+        # The loop's thread, blocked: nothing else runs on it meanwhile.
+        result = blocking(cfg, clock, expected.messages)
+    else:
+        runner = RUNNERS.get(cfg.arm, run_dedup)
+        result = await asyncio.wait_for(runner(cfg, clock, expected.messages), cfg.timeout_s)
     ok, detail = await verify(cfg, expected)
     result.update(arm=cfg.arm, ok=ok, check=detail, batch_size=cfg.batch_size)
     return result

@@ -105,9 +105,11 @@ TARGETS = (
     Target("dedup_per_message", "naive", 0.9),
     Target("dedup_batch_traced", "dedup_batch", 0.85),
     Target("hot_rows", "hot_rows_serial", 1.0),
+    Target("dedup_confluent", "handwritten_confluent", 0.8),
 )
 """The targets of issue 7; issue 13's (on hot rows, the default lanes are no slower than one);
-issue 27's (dedup's defaults at 0.9 of both hand-written loops)."""
+issue 27's (dedup's defaults at 0.9 of both hand-written loops); issue 32's (dedup.sync.Consumer
+at 0.8 of the hand-written confluent-kafka + psycopg loop)."""
 
 REFERENCE_ARMS = ("handwritten", "naive")
 """Every arm's throughput is also reported as a ratio against these."""

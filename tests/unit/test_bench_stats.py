@@ -61,6 +61,7 @@ def test_targets_pass_fail_and_not_measured() -> None:
         "dedup_batch/handwritten_concurrent": {"median": 0.89},
         "dedup_batch/naive": {"median": 9.99},
         "dedup_batch_traced/dedup_batch": {"median": 0.9},
+        "dedup_confluent/handwritten_confluent": {"median": 0.79},
     }
     verdicts = {v["ratio"]: v["status"] for v in stats.evaluate_targets(ratios)}
     assert verdicts == {
@@ -70,6 +71,7 @@ def test_targets_pass_fail_and_not_measured() -> None:
         "dedup_per_message/naive": "n/a",
         "dedup_batch_traced/dedup_batch": "pass",
         "hot_rows/hot_rows_serial": "n/a",
+        "dedup_confluent/handwritten_confluent": "fail",
     }
 
 
