@@ -30,6 +30,9 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 import dedup
 from dedup import _store as store
@@ -393,3 +396,60 @@ async def test_a_lost_connection_is_opened_again_and_the_transaction_run_again(
         [now] = [r["pid"] for r in await pool.fetch(backends, name)]
         assert now != before
     assert await effects.effect_counts(pool) == (3, 3)
+
+
+# -------------------------------------------------------------- telemetry --
+
+
+def counters(reader: InMemoryMetricReader, attributes: dict[str, Any]) -> dict[str, float]:
+    """Each counter's value on the series of exactly ``attributes``."""
+    data = reader.get_metrics_data()
+    return {
+        metric.name: point.value
+        for resource in (data.resource_metrics if data else [])
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if type(metric.data).__name__ == "Sum"
+        for point in metric.data.data_points
+        if dict(point.attributes or {}) == attributes
+    }
+
+
+async def test_a_transaction_is_traced_and_counted_as_the_async_consumers_are(
+    dsn: str,
+    pool: Any,
+    bootstrap_servers: str,
+    topics: Topics,
+    spans: InMemorySpanExporter,
+    metric_reader: InMemoryMetricReader,
+) -> None:
+    topic = await topics.create(partitions=1, prefix="traced")
+    await pool.execute(effects.EFFECTS)
+    await produce(bootstrap_servers, topic, [{"id": "a"}, {"id": "a"}, {"amount": 1}])
+    labels = {
+        "messaging.system": "kafka",
+        "messaging.consumer.group.name": f"g-{topic}",
+        "messaging.destination.name": topic,
+        "dedup.namespace": f"g-{topic}",
+    }
+    consumer = sync_consumer(blocking_record_effects, topic, dsn, bootstrap_servers)
+    async with running(consumer):
+        await helpers.wait_for(
+            lambda: pool.fetchval("SELECT next_offset = 3 FROM dedup.partitions"),
+            what="the three records committed",
+        )
+    counted = counters(metric_reader, labels)
+    assert [counted.get(f"dedup.messages.{n}") for n in ("processed", "duplicates")] == [1, 1]
+    assert counted.get("dedup.messages.dead_lettered") == 1
+    finished = spans.get_finished_spans()
+    [process] = [s for s in finished if s.name == f"process {topic}"]
+    assert process.kind is SpanKind.CONSUMER
+    assert process.attributes is not None
+    assert process.attributes["messaging.batch.message_count"] == 3
+    inside = [s for s in finished if s.parent and s.parent.span_id == process.context.span_id]
+    [transaction] = [s for s in inside if s.name == "dedup transaction"]
+    statements = [
+        s for s in finished if s.parent and s.parent.span_id == transaction.context.span_id
+    ]
+    assert {s.kind for s in statements} == {SpanKind.CLIENT}
+    assert {"BEGIN", "COMMIT"} <= {s.name for s in statements}
