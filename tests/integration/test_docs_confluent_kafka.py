@@ -64,8 +64,7 @@ async def test_every_snippet_of_the_confluent_kafka_howto_works(
         assert pattern.fullmatch(out), out
     # Each scan's key claimed once; the retry of s1 counted on it, not applied.
     counted = await pool.fetch(
-        "SELECT idempotency_key, duplicates FROM dedup.processed"
-        " WHERE namespace = $1 ORDER BY 1",
+        "SELECT idempotency_key, duplicates FROM dedup.processed WHERE namespace = $1 ORDER BY 1",
         GROUP,
     )
     assert [tuple(r) for r in counted] == [("s1", 1), ("s2", 0), ("s3", 0)]
