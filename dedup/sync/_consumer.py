@@ -406,6 +406,8 @@ class Consumer:
                 kafka.incremental_assign(starts)
             else:
                 kafka.assign(starts)
+            # One paused once another member had it (State.TAKEN) is ours again.
+            kafka.resume(starts)
             log.info("consumer %s took %s", self.holder, wanted)
         except BaseException as exc:
             self._failed(exc)

@@ -453,3 +453,67 @@ async def test_a_transaction_is_traced_and_counted_as_the_async_consumers_are(
     ]
     assert {s.kind for s in statements} == {SpanKind.CLIENT}
     assert {"BEGIN", "COMMIT"} <= {s.name for s in statements}
+
+
+async def test_an_operators_rewind_is_taken_back_and_applies_nothing_twice(
+    dsn: str, pool: Any, bootstrap_servers: str, topics: Topics
+) -> None:
+    topic = await topics.create(partitions=1, prefix="rewind")
+    await pool.execute(effects.EFFECTS)
+    group = f"g-{topic}"
+    consumer = sync_consumer(blocking_record_effects, topic, dsn, bootstrap_servers)
+    at_end = "SELECT holder = $1 AND next_offset = 3 FROM dedup.partitions"
+    async with running(consumer):
+        await produce(bootstrap_servers, topic, [{"id": "a"}, {"id": "b"}, {"id": "c"}])
+        await helpers.wait_for(lambda: pool.fetchval(at_end, consumer.holder), what="applied")
+        token = await pool.fetchval("SELECT token FROM dedup.partitions")
+        done = await run_cli_async(
+            "offsets", "rewind", "--group", group, "--topic", topic, "--partition", "0",
+            "--to-offset", "1", "--yes", "--bootstrap-servers", bootstrap_servers, dsn=dsn,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        # The consumer finds the move within kafka_commit_interval, takes the partition back
+        # from offset 1 and reads b and c again: duplicates now.
+        await helpers.wait_for(
+            lambda: pool.fetchval(at_end, consumer.holder), what="the partition taken back"
+        )
+
+        async def read_again() -> bool:
+            return consumer.stats["duplicates"] == 2
+
+        await helpers.wait_for(read_again, what="b and c read again as duplicates")
+    assert await pool.fetchval("SELECT token FROM dedup.partitions") > token + 1
+    assert await effects.effect_counts(pool) == (3, 3)
+
+
+async def test_the_handlers_savepoint_lock_and_outbox_record_are_in_dedups_transaction(
+    dsn: str, pool: Any, bootstrap_servers: str, topics: Topics
+) -> None:
+    topic = await topics.create(partitions=1, prefix="tx")
+    await pool.execute(effects.EFFECTS)
+
+    def handler(msg: dedup.Message, tx: dedup.sync.Tx) -> None:
+        tx.lock(msg.idempotency_key)
+        # A statement that fails, undone by its savepoint: the rest of the work stands.
+        with contextlib.suppress(psycopg.errors.UndefinedTable), tx.conn.transaction():
+            tx.conn.execute("SELECT * FROM no_such_table")
+        sync_consumer_process.record_effects([msg], tx)
+        tx.publish("shipped", {"order": msg.idempotency_key}, key=msg.idempotency_key)
+
+    consumer = sync_consumer(handler, topic, dsn, bootstrap_servers)
+    async with running(consumer):
+        await produce(bootstrap_servers, topic, [{"id": "o1"}, {"id": "o2"}, {"id": "o1"}])
+        await helpers.wait_for(
+            lambda: pool.fetchval("SELECT next_offset = 3 FROM dedup.partitions"),
+            what="the three records committed",
+        )
+    assert await effects.effect_counts(pool) == (2, 2)
+    rows = await pool.fetch(
+        "SELECT key, destination, message_key, value, token FROM dedup.outbox ORDER BY id"
+    )
+    token = await pool.fetchval("SELECT token FROM dedup.partitions")
+    assert [tuple(r) for r in rows] == [
+        (f"g-{topic}:{k}:0", "shipped", k.encode(), orjson.dumps({"order": k}), token)
+        for k in ("o1", "o2")
+    ]
+    assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 0
