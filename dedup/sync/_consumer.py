@@ -185,6 +185,7 @@ class Consumer:
         self._running = False
         self._last_kafka_commit = 0.0
         self._last_owner_look = 0.0
+        self._gauges = _Gauges(self)
 
     @property
     def stats(self) -> Mapping[str, int]:
@@ -281,7 +282,7 @@ class Consumer:
         for topic in self.topics:
             # Series at 0 from the start, before anything is assigned or fetched.
             telemetry.counting(turn.counted(self._settings, topic))
-        telemetry.watch(self)
+        telemetry.watch(self._gauges)
         log.info("consumer %s started on %s (group %s)", self.holder, self.topics, self.group_id)
 
     def _check_topics(self, ck: Any) -> None:
@@ -301,7 +302,7 @@ class Consumer:
 
     def _shutdown(self) -> None:
         self._stop.set()
-        telemetry.unwatch(self)
+        telemetry.unwatch(self._gauges)
         kafka, self._kafka = self._kafka, None
         if kafka is not None:
             ck = _confluent()
@@ -591,18 +592,24 @@ class Consumer:
         for p, at in due:
             p.committed_to_kafka = at
 
-    # ---------------------------------------------------------------- gauges --
+
+class _Gauges:
+    """What the lag gauges read of a running :class:`Consumer` (:func:`dedup._telemetry.watch`),
+    maybe from the SDK reader's thread: read, never wait."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._c = consumer
 
     def lag(self) -> list[tuple[int, dict[str, Any]]]:
         """Per partition held: Kafka's log-end offset (as last fetched, no round trip) minus
-        the offset stored in Postgres.  Called by the SDK's metric reader, maybe from another
-        thread."""
-        kafka = self._kafka
+        the offset stored in Postgres."""
+        c = self._c
+        kafka = c._kafka
         found: list[tuple[int, dict[str, Any]]] = []
-        if kafka is None or self._stop.is_set():
+        if kafka is None or c._stop.is_set():
             return found
         ck = _confluent()
-        for tp, p in list(self._owned.items()):
+        for tp, p in list(c._owned.items()):
             stored = p.expected
             try:
                 _, end = kafka.get_watermark_offsets(
@@ -611,14 +618,13 @@ class Consumer:
             except (ck.KafkaException, RuntimeError):
                 continue
             if stored is not None and end is not None and end >= 0:
-                found.append(
-                    (max(end - stored, 0), telemetry.partition_attributes(self.group_id, tp))
-                )
+                found.append((max(end - stored, 0), telemetry.partition_attributes(c.group_id, tp)))
         return found
 
     def oldest_unapplied(self, now: float) -> list[tuple[float, dict[str, Any]]]:
         """Per partition held: seconds since the oldest record fetched, not committed (0: none)."""
-        return [] if self._stop.is_set() else lanes.ages(self._owned, now, self.group_id)
+        c = self._c
+        return [] if c._stop.is_set() else lanes.ages(c._owned, now, c.group_id)
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -401,15 +401,15 @@ async def test_a_lost_connection_is_opened_again_and_the_transaction_run_again(
 # -------------------------------------------------------------- telemetry --
 
 
-def counters(reader: InMemoryMetricReader, attributes: dict[str, Any]) -> dict[str, float]:
-    """Each counter's value on the series of exactly ``attributes``."""
+def series(reader: InMemoryMetricReader, kind: str, attributes: dict[str, Any]) -> dict[str, float]:
+    """Each metric's value of ``kind`` (``Sum``: a counter) on the series of ``attributes``."""
     data = reader.get_metrics_data()
     return {
         metric.name: point.value
         for resource in (data.resource_metrics if data else [])
         for scope in resource.scope_metrics
         for metric in scope.metrics
-        if type(metric.data).__name__ == "Sum"
+        if type(metric.data).__name__ == kind
         for point in metric.data.data_points
         if dict(point.attributes or {}) == attributes
     }
@@ -438,7 +438,12 @@ async def test_a_transaction_is_traced_and_counted_as_the_async_consumers_are(
             lambda: pool.fetchval("SELECT next_offset = 3 FROM dedup.partitions"),
             what="the three records committed",
         )
-    counted = counters(metric_reader, labels)
+        # The lag gauge: Kafka's log end (as last fetched) minus Postgres' offset.
+        partition = {k: v for k, v in labels.items() if k != "dedup.namespace"}
+        partition["messaging.destination.partition.id"] = "0"
+        gauges = series(metric_reader, "Gauge", partition)
+    assert gauges.get("dedup.consumer.lag") == 0
+    counted = series(metric_reader, "Sum", labels)
     assert [counted.get(f"dedup.messages.{n}") for n in ("processed", "duplicates")] == [1, 1]
     assert counted.get("dedup.messages.dead_lettered") == 1
     finished = spans.get_finished_spans()
