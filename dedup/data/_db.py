@@ -189,7 +189,7 @@ async def transaction(
 ABORTED = errors.HandlerError(
     "the transaction was aborted by a statement of the handler's that failed (the handler "
     "caught the error and went on): nothing of the batch can commit; use a savepoint "
-    "(async with tx.conn.transaction()) around a statement that may fail"
+    "(a block of tx.conn.transaction()) around a statement that may fail"
 )
 """A handler's transaction that can't commit: what the consumer, ``wrap`` and FastStream say."""
 
