@@ -1,0 +1,261 @@
+"""Network partitions for the chaos suite: a TCP proxy between one process and one service.
+
+A :class:`Proxy` listens on 127.0.0.1 and forwards every connection it accepts
+to one upstream address (Postgres, or one of the chaos broker's listeners).
+The driver gives each child process a proxy per service, so it can cut one
+process off from one service while everything else goes on.  Its mode:
+
+``PASS``       bytes flow both ways; what was held during a cut flows first, in order
+``BLACKHOLE``  nothing moves, and nothing fails: a new connection is accepted and never
+               answered (its upstream is not even dialled), an open one stops
+               forwarding in both directions, mid-stream, without closing.  A chunk
+               read just before the cut is held; nothing more is read, so the
+               sender's socket buffers fill as they would with a peer that stopped
+               acknowledging.  A close on either side is held too.  On ``PASS``
+               everything held is delivered, as TCP delivers what it retransmits
+               once a partition heals: a COMMIT queued during the cut arrives late
+``RESET``      every open connection is reset (RST to both sides), and each new one
+               as soon as it is accepted, as a firewall that rejects with a reset
+
+What a proxy cannot show: the kernel of this machine acknowledges every byte the
+client sends to the proxy, and every byte the service sends to it, so TCP
+keepalives (and ``tcp_user_timeout``) on either side see a live peer during a
+cut.  Only what the processes time out themselves (``handler_timeout``, the
+session timeouts of Kafka's group and of Postgres' idle transactions, connect
+and request timeouts) ends a wait here; docs/operations.md says which kernel
+settings bound the same waits across a real network.
+
+Kafka: a client bootstraps, then connects to the address the broker
+*advertises*, which would bypass a proxy on the bootstrap port.  The chaos
+broker therefore gets one extra listener per proxy slot
+(``DEDUP_KAFKA_EXTRA_LISTENERS`` of ``compose/local/up``, set by
+:mod:`tests.chaos.services`): listener ``CUT<k>`` on
+:func:`~tests.chaos.services.kafka_listener_port` advertises
+:func:`~tests.chaos.services.kafka_proxy_port`, where slot ``k``'s proxy
+listens, so a client bootstrapped through the proxy gets metadata, coordinator
+and leader addresses that all lead back through it.
+
+Traffic stays on this machine: a proxy binds 127.0.0.1 only and forwards to
+127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+HOST = "127.0.0.1"
+CHUNK_BYTES = 65536
+"""Most bytes one read takes off a socket: a cut can fall inside a larger message."""
+
+
+class Mode(enum.Enum):
+    """What a proxy does with the bytes of its connections."""
+
+    PASS = enum.auto()
+    BLACKHOLE = enum.auto()
+    RESET = enum.auto()
+
+
+@dataclass
+class Traffic:
+    """What went through a proxy since it started."""
+
+    connections: int = 0
+    """Connections accepted."""
+    to_service: int = 0
+    """Bytes delivered to the service."""
+    to_client: int = 0
+    """Bytes delivered to the client."""
+    resets: int = 0
+    """Connections reset (by :meth:`Proxy.reset`, or accepted while resetting)."""
+
+
+@dataclass(eq=False)
+class _Link:
+    """One accepted connection and the one it opened upstream."""
+
+    client: asyncio.StreamWriter
+    task: asyncio.Task[Any] | None = None
+    service: asyncio.StreamWriter | None = None
+
+    def abort(self, *, rst: bool) -> None:
+        """Close both sides now; with ``rst``, each with a reset instead of a FIN."""
+        for writer in (self.client, self.service):
+            if writer is None:
+                continue
+            if rst:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+            writer.transport.abort()
+
+
+class Proxy:
+    """A TCP proxy from ``127.0.0.1:port`` to ``127.0.0.1:upstream_port``, cut on command."""
+
+    def __init__(self, name: str, upstream_port: int, *, port: int = 0) -> None:
+        self.name = name
+        self.upstream_port = upstream_port
+        self.port = port
+        """Where it listens (0 until started when asked for any free port)."""
+        self.mode = Mode.PASS
+        self.traffic = Traffic()
+        self.changes: list[tuple[float, Mode]] = []
+        """(monotonic time, mode) of every change of mode, for the run's story."""
+        self._passing = asyncio.Event()
+        self._passing.set()
+        self._links: set[_Link] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> Proxy:
+        """Listen; return itself."""
+        self._server = await asyncio.start_server(self._serve, HOST, self.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        """Stop listening and close every connection (reset)."""
+        if self._server is not None:
+            self._server.close()
+        self._reset_all()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> Proxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._links)
+
+    # --------------------------------------------------------------- modes --
+
+    def cut(self) -> None:
+        """``BLACKHOLE``: nothing moves, nothing fails, until :meth:`heal`."""
+        self._set(Mode.BLACKHOLE)
+        self._passing.clear()
+
+    def heal(self) -> None:
+        """``PASS``: what was held flows, then everything else."""
+        self._set(Mode.PASS)
+        self._passing.set()
+
+    def reset(self) -> None:
+        """``RESET``: every open connection reset now, and every new one, until :meth:`heal`."""
+        self._set(Mode.RESET)
+        self._passing.clear()
+        self._reset_all()
+
+    def _set(self, mode: Mode) -> None:
+        if mode is not self.mode:
+            self.mode = mode
+            self.changes.append((time.monotonic(), mode))
+
+    def _reset_all(self) -> None:
+        for link in list(self._links):
+            self.traffic.resets += 1
+            link.abort(rst=True)
+            if link.task is not None:
+                link.task.cancel()
+        self._links.clear()
+
+    # ---------------------------------------------------------- forwarding --
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = _Link(writer, task=asyncio.current_task())
+        self.traffic.connections += 1
+        if self.mode is Mode.RESET:
+            self.traffic.resets += 1
+            link.abort(rst=True)
+            return
+        self._links.add(link)
+        try:
+            await self._passing.wait()  # a blackhole: accepted, never answered
+            try:
+                up_reader, link.service = await asyncio.open_connection(HOST, self.upstream_port)
+            except OSError:
+                link.abort(rst=True)  # the service is down: the client sees a reset
+                return
+            await asyncio.gather(
+                self._pump(reader, link.service, "to_service", link),
+                self._pump(up_reader, writer, "to_client", link),
+            )
+        except asyncio.CancelledError:
+            pass  # reset or closed: the link was aborted already
+        finally:
+            self._links.discard(link)
+            link.abort(rst=False)
+
+    async def _pump(
+        self,
+        source: asyncio.StreamReader,
+        target: asyncio.StreamWriter,
+        counter: str,
+        link: _Link,
+    ) -> None:
+        """Forward ``source`` to ``target`` while the proxy passes; a close is forwarded too."""
+        try:
+            while True:
+                await self._passing.wait()
+                data = await source.read(CHUNK_BYTES)
+                await self._passing.wait()  # a chunk read as the cut fell is held, not sent
+                if not data:
+                    if target.can_write_eof():
+                        target.write_eof()
+                    return
+                target.write(data)
+                await target.drain()
+                setattr(self.traffic, counter, getattr(self.traffic, counter) + len(data))
+        except OSError:
+            link.abort(rst=True)  # one side reset: so is the other
+
+
+@dataclass
+class Cuts:
+    """The proxies of one child process, by service (``postgres``, ``kafka``)."""
+
+    name: str
+    proxies: dict[str, Proxy] = field(default_factory=dict)
+
+    def cut(self, *services: str) -> None:
+        for s in services or tuple(self.proxies):
+            self.proxies[s].cut()
+
+    def heal(self, *services: str) -> None:
+        for s in services or tuple(self.proxies):
+            self.proxies[s].heal()
+
+    def reset(self, *services: str) -> None:
+        for s in services or tuple(self.proxies):
+            self.proxies[s].reset()
+
+    async def close(self) -> None:
+        for p in self.proxies.values():
+            await p.close()
+
+
+def with_port(dsn: str, port: int) -> str:
+    """``dsn`` (a ``postgresql://user@127.0.0.1:PORT/db...`` URL) on ``port`` instead."""
+    head, sep, rest = dsn.partition("@")
+    if not sep or not rest.startswith(f"{HOST}:"):
+        raise ValueError(f"not a URL on {HOST}: {dsn}")
+    _, slash, tail = rest.partition("/")
+    return f"{head}@{HOST}:{port}{slash}{tail}"
