@@ -23,7 +23,15 @@ import pytest
 
 import dedup
 from dedup_dev import database
-from tests.chaos import consumer_child, driver, kafka_cluster, report, scenarios, task_child
+from tests.chaos import (
+    consumer_child,
+    driver,
+    kafka_cluster,
+    netsplit,
+    report,
+    scenarios,
+    task_child,
+)
 from tests.chaos.services import DEFAULT_DIR, ChaosServices, ServicesError
 
 collect_ignore = [] if kafka_cluster.names() else ["test_cluster.py"]
@@ -100,6 +108,7 @@ async def chaos_run(
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The figures of this session's runs: a table on the terminal, in a file, in the docs."""
     kafka_cluster.summary(terminalreporter)
+    netsplit.summary(terminalreporter)
     results = report.RESULTS
     if not results:
         return

@@ -30,12 +30,18 @@ Commands on stdin, one a line, arm a failpoint for the next batch:
                    transaction begins (nothing locked; after SIGCONT the turn
                    goes on under the token it had)
 ``slow SECONDS``   the handler works SECONDS, longer than ``max.poll.interval.ms``
+``hold WHERE``     stop the next batch at WHERE until ``release`` comes (the process goes
+                   on: the driver cuts its network meanwhile): ``before_commit``, after
+                   the batch's writes; ``in_handler``, after the handler's write, which
+                   then sends one more statement on ``tx.conn``
+``release``        let the held batch go on
 
 Lines on stdout: ``READY <holder>``, ``FAILPOINT <what> <partition> <offset>
-<token>`` right before it strikes, ``HANG <partition> <offset> <token>`` when
-the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM); with
-``--log-commits``, ``COMMITTED <partition> <token> <first offset> <next offset>``
-once a batch's COMMIT returned (its ``chaos_batches`` row is acknowledged).
+<token>`` right before it strikes (``hold_<where>`` once a batch is held),
+``HANG <partition> <offset> <token>`` when the handler starts to hang,
+``STATS <json>`` on a clean exit (SIGTERM); with ``--log-commits``,
+``COMMITTED <partition> <token> <first offset> <next offset>`` once a batch's
+COMMIT returned (its ``chaos_batches`` row is acknowledged).
 
 ``CHAOS_BREAK`` builds a deliberately broken consumer, for the suite's teeth:
 
@@ -129,12 +135,28 @@ STRIKES: dict[str, tuple[str, signal.Signals]] = {
 """What the driver may arm: where it strikes, and the signal it sends this process."""
 
 
+HOLDS = ("before_commit", "in_handler")
+"""Where ``hold WHERE`` stops a batch."""
+
+
 class Failpoints:
     """What the driver armed for the next batch."""
 
     def __init__(self) -> None:
         self.armed: str | None = None
         self.slow = 0.0
+        self.hold: str | None = None
+        self._released = asyncio.Event()
+
+    async def held(self, where: str, partition: int, offset: int, token: int) -> bool:
+        """Wait for ``release`` if a hold was armed at ``where``; True if it was."""
+        if self.hold != where:
+            return False
+        self.hold = None
+        self._released.clear()
+        say(f"FAILPOINT hold_{where} {partition} {offset} {token}")
+        await self._released.wait()
+        return True
 
     def strike(self, when: str, partition: int, offset: int, token: int) -> None:
         """Kill or stop this process if what was armed strikes at ``when``."""
@@ -153,6 +175,10 @@ class Failpoints:
         while line := (await reader.readline()).decode().split():
             if line[0] == "slow":
                 self.slow = float(line[1])
+            elif line[0] == "hold" and line[1] in HOLDS:
+                self.hold = line[1]
+            elif line[0] == "release":
+                self._released.set()
             else:
                 self.armed = line[0]
 
@@ -180,6 +206,7 @@ def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -
             first,
             result.next_offset,
         )
+        await failpoints.held("before_commit", every[0].partition, first, fence.token)
         failpoints.strike("before_commit", every[0].partition, first, fence.token)
 
     async def after_commit(
@@ -326,6 +353,8 @@ async def main(args: argparse.Namespace) -> None:
             tx.token,
             args.holder,
         )
+        if await failpoints.held("in_handler", msgs[0].partition, msgs[0].offset, tx.token):
+            await tx.conn.execute("SELECT 1")  # the handler's next statement, after the cut
         if args.handler == "hot-rows":
             # What the README's payment handler does, in offset order: two batches
             # that touch the same accounts in another order deadlock.

@@ -196,10 +196,13 @@ class ConsumerRun(Run):
 
     # ---------------------------------------------------------- members --
 
-    async def start_member(self, name: str) -> Child:
+    async def start_member(
+        self, name: str, *, dsn: str | None = None, bootstrap: str | None = None
+    ) -> Child:
+        """Start a consumer child on the run's database and broker (or ``dsn``, ``bootstrap``)."""
         o = self.scenario.options
         args = [
-            *("--dsn", self.ctx.dsn, "--bootstrap-servers", self.bootstrap),
+            *("--dsn", dsn or self.ctx.dsn, "--bootstrap-servers", bootstrap or self.bootstrap),
             *("--topic", self.topic, "--group", self.group, "--holder", name),
             *("--batch-size", str(self.size.batch_size), "--hold", str(o.hold)),
             *("--session-timeout-ms", str(o.session_timeout_ms)),
@@ -215,9 +218,16 @@ class ConsumerRun(Run):
 
     async def start_slot(self, slot: int) -> Child:
         self.generation[slot] += 1
-        child = await self.start_member(f"c{slot}.{self.generation[slot]}")
+        child = await self.start_member(
+            f"c{slot}.{self.generation[slot]}", **await self.addresses(slot)
+        )
         self.slots[slot] = child
         return child
+
+    async def addresses(self, slot: int) -> dict[str, str]:
+        """Where slot ``slot``'s members reach Postgres and Kafka (``dsn``, ``bootstrap``):
+        the run's own (a subclass's proxies, :mod:`tests.chaos.netsplit`)."""
+        return {}
 
     async def owners(self) -> dict[int, tuple[str, int, int | None]]:
         """partition -> (holder, token, next_offset) as stored."""

@@ -10,8 +10,10 @@ Postgres is configured with ``track_commit_timestamp = on``: the oracle orders
 each write against the token history by commit time.
 
 The broker has :data:`KAFKA_SLOTS` extra listeners (``CUT0``...), each advertising
-the port of a proxy of :mod:`tests.chaos.proxy`: the network partitions cut a
-client off from Kafka at its proxy (``DEDUP_KAFKA_EXTRA_LISTENERS``).
+the port of a proxy (:mod:`dedup_dev.proxy`): a client bootstrapped through the
+proxy of slot k gets metadata, coordinator and leader addresses that all lead
+back through it, so the network partitions of :mod:`tests.chaos.netsplit` cut it
+off from Kafka there (``DEDUP_KAFKA_EXTRA_LISTENERS``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ STANDBY_PORT = 25434 + PORT_OFFSET
 """The streaming standby of the failover scenarios (:mod:`tests.chaos.pg_failover`)."""
 KAFKA_SLOTS = 4
 """Extra listeners of the chaos broker, one per process that can be cut off from Kafka
-(:mod:`tests.chaos.proxy`; the full matrix runs three consumers)."""
+(:mod:`tests.chaos.netsplit`; the full matrix runs three consumers)."""
 KAFKA_LISTENER_BASE = 29120
 """Port of the broker's listener ``CUT0`` (``CUT<k>``: this + k), plus ``CHAOS_PORT_OFFSET``."""
 KAFKA_PROXY_BASE = 29130
@@ -91,7 +93,7 @@ def script_env(directory: Path) -> dict[str, str]:
 
 def chaos_env(directory: Path) -> dict[str, str]:
     """:func:`script_env`, and the broker's extra listeners for the proxies of
-    :mod:`tests.chaos.proxy` (a single broker only: the cluster has none)."""
+    :mod:`tests.chaos.netsplit` (a single broker only: the cluster has none)."""
     return {**script_env(directory), "DEDUP_KAFKA_EXTRA_LISTENERS": kafka_extra_listeners()}
 
 

@@ -21,8 +21,8 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from dedup_dev import helpers, kafka
-from tests.chaos import proxy, services
+from dedup_dev import helpers, kafka, proxy
+from tests.chaos import services
 from tests.chaos.services import ChaosServices
 
 pytestmark = pytest.mark.chaos

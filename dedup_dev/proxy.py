@@ -1,9 +1,9 @@
-"""Network partitions for the chaos suite: a TCP proxy between one process and one service.
+"""Network partitions for the tests: a TCP proxy between one process and one service.
 
 A :class:`Proxy` listens on 127.0.0.1 and forwards every connection it accepts
-to one upstream address (Postgres, or one of the chaos broker's listeners).
-The driver gives each child process a proxy per service, so it can cut one
-process off from one service while everything else goes on.  Its mode:
+to one upstream port on 127.0.0.1 (Postgres, or a Kafka listener).  A test
+gives each process a proxy per service, so it can cut one process off from one
+service while everything else goes on.  Its mode:
 
 ``PASS``       bytes flow both ways; what was held during a cut flows first, in order
 ``BLACKHOLE``  nothing moves, and nothing fails: a new connection is accepted and never
@@ -17,23 +17,20 @@ process off from one service while everything else goes on.  Its mode:
 ``RESET``      every open connection is reset (RST to both sides), and each new one
                as soon as it is accepted, as a firewall that rejects with a reset
 
-What a proxy cannot show: the kernel of this machine acknowledges every byte the
-client sends to the proxy, and every byte the service sends to it, so TCP
+What a proxy cannot show: the kernel of this machine acknowledges every byte
+the client sends to the proxy, and every byte the service sends to it, so TCP
 keepalives (and ``tcp_user_timeout``) on either side see a live peer during a
 cut.  Only what the processes time out themselves (``handler_timeout``, the
 session timeouts of Kafka's group and of Postgres' idle transactions, connect
 and request timeouts) ends a wait here; docs/operations.md says which kernel
 settings bound the same waits across a real network.
 
-Kafka: a client bootstraps, then connects to the address the broker
-*advertises*, which would bypass a proxy on the bootstrap port.  The chaos
-broker therefore gets one extra listener per proxy slot
-(``DEDUP_KAFKA_EXTRA_LISTENERS`` of ``compose/local/up``, set by
-:mod:`tests.chaos.services`): listener ``CUT<k>`` on
-:func:`~tests.chaos.services.kafka_listener_port` advertises
-:func:`~tests.chaos.services.kafka_proxy_port`, where slot ``k``'s proxy
-listens, so a client bootstrapped through the proxy gets metadata, coordinator
-and leader addresses that all lead back through it.
+Postgres is reached through a proxy by a DSN on its port (:func:`with_port`).
+A Kafka client bootstraps, then connects to the address the broker
+*advertises*, which would bypass a proxy on the bootstrap port: the broker
+needs a listener that advertises the proxy's port
+(``DEDUP_KAFKA_EXTRA_LISTENERS`` of ``compose/local/up``; the chaos broker
+has one per proxy slot, :mod:`tests.chaos.services`).
 
 Traffic stays on this machine: a proxy binds 127.0.0.1 only and forwards to
 127.0.0.1 only.
@@ -47,7 +44,7 @@ import enum
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -226,30 +223,6 @@ class Proxy:
                 setattr(self.traffic, counter, getattr(self.traffic, counter) + len(data))
         except OSError:
             link.abort(rst=True)  # one side reset: so is the other
-
-
-@dataclass
-class Cuts:
-    """The proxies of one child process, by service (``postgres``, ``kafka``)."""
-
-    name: str
-    proxies: dict[str, Proxy] = field(default_factory=dict)
-
-    def cut(self, *services: str) -> None:
-        for s in services or tuple(self.proxies):
-            self.proxies[s].cut()
-
-    def heal(self, *services: str) -> None:
-        for s in services or tuple(self.proxies):
-            self.proxies[s].heal()
-
-    def reset(self, *services: str) -> None:
-        for s in services or tuple(self.proxies):
-            self.proxies[s].reset()
-
-    async def close(self) -> None:
-        for p in self.proxies.values():
-            await p.close()
 
 
 def with_port(dsn: str, port: int) -> str:
