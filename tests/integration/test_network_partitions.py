@@ -1,0 +1,90 @@
+"""What a network partition does to the library, one fault at a time, through a proxy.
+
+The consumer (or runner) under test reaches Postgres through a
+:class:`dedup_dev.proxy.Proxy` that the test cuts (blackhole: nothing moves,
+nothing fails) and heals; the test's own pool goes direct.  The chaos suite's
+partition scenarios (tests/chaos/test_partitions.py) run these faults at
+random against several processes; each test here pins one of them down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from dedup import _faults as faults
+from dedup.data import _db as db
+from dedup_dev import effects, helpers, proxy
+from dedup_dev.kafka import Topics
+
+HANDLER_TIMEOUT = 0.5
+"""Seconds; the server ends a session idle in its transaction 2.5 s later (+ IDLE_MARGIN)."""
+WITHIN = 30.0
+"""Seconds for what must happen once the network heals."""
+
+
+def port_of(dsn: str) -> int:
+    return int(dsn.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+
+
+async def backends_in_transaction(pool: Any, application_name: str) -> int:
+    return int(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1"
+            " AND xact_start IS NOT NULL AND pid <> pg_backend_pid()",
+            application_name,
+        )
+    )
+
+
+async def test_a_commit_held_by_a_cut_past_the_idle_timeout_is_an_outage_not_the_handlers(
+    bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
+) -> None:
+    """The batch's COMMIT is queued behind a cut; the server ends the idle session; on the
+    heal the consumer gets the server's FATAL.  The handler had returned long before: the
+    batch runs again as after any outage, and its message keeps all its attempts (with
+    ``max_attempts=1``, one counted against it would dead-letter it)."""
+    await pool.execute(effects.EFFECTS)
+    topic = await topics.create(partitions=1)
+    await helpers.produce(bootstrap_servers, topic, [(None, orjson.dumps({"id": "m0"}))])
+    name = f"cut-{topic}"
+    async with proxy.Proxy("postgres", port_of(dsn)) as cut:
+        proxied = await db.create_pool(
+            proxy.with_port(dsn, cut.port), server_settings={"application_name": name}
+        )
+        consumer = effects.consumer(
+            effects.record_effects,
+            topic,
+            bootstrap_servers,
+            proxied,
+            batch=True,
+            max_attempts=1,
+            handler_timeout=HANDLER_TIMEOUT,
+        )
+        began = asyncio.Event()
+
+        async def cut_before_commit(**_: Any) -> None:
+            if not began.is_set():
+                began.set()
+                cut.cut()
+
+        try:
+            with faults.install(faults.Point.BEFORE_COMMIT, cut_before_commit):
+                async with effects.running(consumer):
+                    await asyncio.wait_for(began.wait(), WITHIN)
+
+                    async def ended() -> bool:
+                        return not await backends_in_transaction(pool, name)
+
+                    await helpers.wait_for(ended, within=WITHIN, what="the cut session ended")
+                    cut.heal()
+                    await helpers.wait_for(
+                        lambda: effects.handled(consumer, 1), within=WITHIN, what="m0 handled"
+                    )
+        finally:
+            await proxied.close()
+    assert await effects.effect_counts(pool) == (1, 1)
+    assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 0
+    assert consumer.stats["processed"] == 1
