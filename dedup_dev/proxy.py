@@ -8,7 +8,8 @@ service while everything else goes on.  Its mode:
 ``PASS``       bytes flow both ways; what was held during a cut flows first, in order
 ``BLACKHOLE``  nothing moves, and nothing fails: a new connection is accepted and never
                answered (its upstream is not even dialled), an open one stops
-               forwarding in both directions, mid-stream, without closing.  A chunk
+               forwarding in both directions (or in one: a request arrives, its
+               answer is held), mid-stream, without closing.  A chunk
                read just before the cut is held; nothing more is read, so the
                sender's socket buffers fill as they would with a peer that stopped
                acknowledging.  A close on either side is held too.  On ``PASS``
@@ -109,8 +110,10 @@ class Proxy:
         self.traffic = Traffic()
         self.changes: list[tuple[float, Mode]] = []
         """(monotonic time, mode) of every change of mode, for the run's story."""
-        self._passing = asyncio.Event()
-        self._passing.set()
+        # One gate per direction, by the Traffic counter it feeds: set while bytes may pass.
+        self._gates = {"to_service": asyncio.Event(), "to_client": asyncio.Event()}
+        for gate in self._gates.values():
+            gate.set()
         self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
 
@@ -145,20 +148,31 @@ class Proxy:
 
     # --------------------------------------------------------------- modes --
 
-    def cut(self) -> None:
-        """``BLACKHOLE``: nothing moves, nothing fails, until :meth:`heal`."""
+    def cut(self, *, to_service: bool = True, to_client: bool = True) -> None:
+        """``BLACKHOLE``: nothing moves, nothing fails, until :meth:`heal`.
+
+        With ``to_service=False`` the client's bytes still reach the service and only
+        its answers are held (``to_client=False``: the other way round): a request
+        arrives and is carried out, its answer does not come back.
+        """
         self._set(Mode.BLACKHOLE)
-        self._passing.clear()
+        for direction, cut in (("to_service", to_service), ("to_client", to_client)):
+            if cut:
+                self._gates[direction].clear()
+            else:
+                self._gates[direction].set()
 
     def heal(self) -> None:
         """``PASS``: what was held flows, then everything else."""
         self._set(Mode.PASS)
-        self._passing.set()
+        for gate in self._gates.values():
+            gate.set()
 
     def reset(self) -> None:
         """``RESET``: every open connection reset now, and every new one, until :meth:`heal`."""
         self._set(Mode.RESET)
-        self._passing.clear()
+        for gate in self._gates.values():
+            gate.clear()
         self._reset_all()
 
     def _set(self, mode: Mode) -> None:
@@ -185,7 +199,7 @@ class Proxy:
             return
         self._links.add(link)
         try:
-            await self._passing.wait()  # a blackhole: accepted, never answered
+            await self._gates["to_service"].wait()  # a blackhole: accepted, never answered
             try:
                 up_reader, link.service = await asyncio.open_connection(HOST, self.upstream_port)
             except OSError:
@@ -208,12 +222,14 @@ class Proxy:
         counter: str,
         link: _Link,
     ) -> None:
-        """Forward ``source`` to ``target`` while the proxy passes; a close is forwarded too."""
+        """Forward ``source`` to ``target`` while ``counter``'s direction passes; a close is
+        forwarded too."""
+        gate = self._gates[counter]
         try:
             while True:
-                await self._passing.wait()
+                await gate.wait()
                 data = await source.read(CHUNK_BYTES)
-                await self._passing.wait()  # a chunk read as the cut fell is held, not sent
+                await gate.wait()  # a chunk read as the cut fell is held, not sent
                 if not data:
                     if target.can_write_eof():
                         target.write_eof()

@@ -37,7 +37,7 @@ from tests.chaos.services import DEFAULT_DIR, ChaosServices, ServicesError
 collect_ignore = [] if kafka_cluster.names() else ["test_cluster.py"]
 """The tiny matrix (the docs test's smoke run) has no cluster scenario: nothing to collect."""
 if scenarios.matrix() != "full":
-    collect_ignore.append("test_relay_cluster.py")  # make chaos only
+    collect_ignore += ["test_relay_cluster.py", "test_partition_teeth.py"]  # make chaos only
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,8 @@ Commands on stdin, one a line, arm a failpoint for the next batch:
                    goes on under the token it had)
 ``slow SECONDS``   the handler works SECONDS, longer than ``max.poll.interval.ms``
 ``hold WHERE``     stop the next batch at WHERE until ``release`` comes (the process goes
-                   on: the driver cuts its network meanwhile): ``before_commit``, after
+                   on: the driver cuts its network meanwhile): ``before_begin``, with a
+                   turn's records taken (nothing sent yet); ``before_commit``, after
                    the batch's writes; ``in_handler``, after the handler's write, which
                    then sends one more statement on ``tx.conn``
 ``release``        let the held batch go on
@@ -54,6 +55,10 @@ COMMIT returned (its ``chaos_batches`` row is acknowledged).
 ``kafka_offsets`` the offset the consumer goes on from is its own position, as
                   if committed to Kafka: where Postgres' stored offset is behind
                   it (a failover lost commits), it is set forward to it first
+``no_idle_timeout`` the consumer's transactions run without
+                  ``idle_in_transaction_session_timeout`` (set to 0 after each fence):
+                  the server never ends the session of a member cut off mid-transaction,
+                  whose locks stay until the network heals
 
 The batch log, the failpoints and the breaks are hooks at the library's fault
 points (:mod:`dedup._faults`); nothing of the library is patched.
@@ -118,7 +123,7 @@ batches and the log of hung handler calls (committed on their own)."""
 
 HANDLERS = ("plain", "hot-rows", "hang")
 
-BREAKS = ("no_fence", "offset_first", "outside_tx", "kafka_offsets")
+BREAKS = ("no_fence", "offset_first", "outside_tx", "kafka_offsets", "no_idle_timeout")
 
 
 def say(line: str) -> None:
@@ -135,7 +140,7 @@ STRIKES: dict[str, tuple[str, signal.Signals]] = {
 """What the driver may arm: where it strikes, and the signal it sends this process."""
 
 
-HOLDS = ("before_commit", "in_handler")
+HOLDS = ("before_begin", "before_commit", "in_handler")
 """Where ``hold WHERE`` stops a batch."""
 
 
@@ -188,8 +193,11 @@ def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -
 
     async def before_begin(*, parts: Any, **_: Any) -> None:
         part = next((p for p in parts if p.size), None)
-        if part is not None and failpoints.armed == "pause_before_begin":
-            first = min(m.offset for m in [*part.msgs, *(d.msg for d in part.dead)])
+        if part is None:
+            return
+        first = min(m.offset for m in [*part.msgs, *(d.msg for d in part.dead)])
+        await failpoints.held("before_begin", part.partition, first, part.fence.token)
+        if failpoints.armed == "pause_before_begin":
             failpoints.strike("before_begin", part.partition, first, part.fence.token)
 
     async def before_commit(
@@ -321,6 +329,16 @@ def offsets_in_kafka() -> None:
     faults.install(faults.Point.BEFORE_FENCE, trust_the_position)
 
 
+def no_idle_timeout() -> None:
+    """``no_idle_timeout``: after each fence (whose statement sets the timeout for its
+    transaction), the transaction's idle-in-transaction timeout is turned off again."""
+
+    async def keep_the_session(*, conn: Any, **_: Any) -> None:
+        await conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+
+    faults.install(faults.Point.AFTER_FENCE, keep_the_session)
+
+
 async def main(args: argparse.Namespace) -> None:
     broken = os.environ.get("CHAOS_BREAK") or None
     if broken not in (None, *BREAKS):
@@ -332,7 +350,9 @@ async def main(args: argparse.Namespace) -> None:
         min_size=1,
         max_size=config_.DEFAULT_CONCURRENCY + 1,  # a lane per partition in flight, one spare
         server_settings={
-            "idle_in_transaction_session_timeout": str(args.idle_timeout_ms),
+            "idle_in_transaction_session_timeout": (
+                "0" if broken == "no_idle_timeout" else str(args.idle_timeout_ms)
+            ),
             "application_name": f"chaos:{args.holder}",
         },
     )
@@ -415,6 +435,8 @@ async def main(args: argparse.Namespace) -> None:
         offset_first(pool)
     elif broken == "kafka_offsets":
         offsets_in_kafka()
+    elif broken == "no_idle_timeout":
+        no_idle_timeout()
     listener = asyncio.create_task(failpoints.listen())
     say(f"READY {args.holder}")
     try:

@@ -524,12 +524,7 @@ class ConsumerRun(Run):
         self.result.recoveries.append(took)
         self.note(f"{child.name}'s partitions {sorted(affected)} taken over in {took:.1f}s")
         await asyncio.sleep(f.wait)
-        marks = await self.q(
-            lambda p: p.fetchrow(
-                "SELECT (SELECT coalesce(max(id), 0) FROM dedup.events) AS event,"
-                " (SELECT coalesce(max(id), 0) FROM chaos_batches) AS batch"
-            )
-        )
+        marks = await self.marks()
         child.signal(signal.SIGCONT)
         child.paused = False
         self.note(f"{child.name} continued")
@@ -537,25 +532,39 @@ class ConsumerRun(Run):
             return
 
         async def settled() -> bool:
-            # Its batch in flight is refused (the fence) or commits (a broken build).
-            return bool(
-                await self.q(
-                    lambda p: p.fetchval(
-                        "SELECT EXISTS (SELECT FROM dedup.events WHERE id > $1"
-                        "               AND kind = 'stale_rejected' AND holder = $3)"
-                        " OR EXISTS (SELECT FROM chaos_batches WHERE id > $2"
-                        "            AND holder = $3 AND token = $4)",
-                        marks["event"],
-                        marks["batch"],
-                        child.name,
-                        token,
-                    )
-                )
-            )
+            return await self.settled(child.name, token, marks)
 
         with contextlib.suppress(AssertionError):
             await helpers.wait_for(settled, within=30, what=f"{child.name}'s batch to settle")
         self.note(f"{child.name}'s batch in flight settled")
+
+    async def marks(self) -> Any:
+        """The newest event and batch ids (``event``, ``batch``): what a member does from now
+        on comes after them."""
+        return await self.q(
+            lambda p: p.fetchrow(
+                "SELECT (SELECT coalesce(max(id), 0) FROM dedup.events) AS event,"
+                " (SELECT coalesce(max(id), 0) FROM chaos_batches) AS batch"
+            )
+        )
+
+    async def settled(self, holder: str, token: int, marks: Any) -> bool:
+        """Whether ``holder``'s batch under ``token`` in flight since ``marks`` was refused
+        (the fence) or committed (a broken build)."""
+        return bool(
+            await self.q(
+                lambda p: p.fetchval(
+                    "SELECT EXISTS (SELECT FROM dedup.events WHERE id > $1"
+                    "               AND kind = 'stale_rejected' AND holder = $3)"
+                    " OR EXISTS (SELECT FROM chaos_batches WHERE id > $2"
+                    "            AND holder = $3 AND token = $4)",
+                    marks["event"],
+                    marks["batch"],
+                    holder,
+                    token,
+                )
+            )
+        )
 
     async def _terminate_backend(self, f: scenarios.Fault) -> None:
         async def in_transaction() -> list[Any]:

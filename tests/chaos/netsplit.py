@@ -14,11 +14,15 @@ traffic and the oracle are those of every consumer scenario
 ``pg_cut_in_handler``  the same, held inside the handler, whose next statement is
     queued behind the cut: ``handler_timeout`` cancels it, and the rollback
     goes nowhere either
+``pg_reset_after_commit``  the batch's COMMIT gets through and its answer is held
+    (a one-way cut); once it landed, the connection is reset, the answer lost, and
+    every new connection is reset for ``Fault.wait`` seconds: the batch's fate is
+    in doubt, and the next turn's fence must tell that it landed
 
-A Postgres cut lasts the server's idle-in-transaction timeout of the member's
-transactions (``handler_timeout`` + ``IDLE_MARGIN``) and ``Fault.wait``
-seconds more, then heals: what the proxy held is delivered, the COMMIT too
-(after the server ended that session, it is gone with it).
+A Postgres cut (not a reset) lasts the server's idle-in-transaction timeout
+of the member's transactions (``handler_timeout`` + ``IDLE_MARGIN``) and
+``Fault.wait`` seconds more, then heals: what the proxy held is delivered, the
+COMMIT too (after the server ended that session, it is gone with it).
 
 Figures of each fault, in the run's :class:`Result`:
 
@@ -27,8 +31,8 @@ Figures of each fault, in the run's :class:`Result`:
 - **heal → progress**: until every partition the member owned moves its
   stored offset forward again (or, once production is over, is caught up).
 
-Each fault also checks that the member's partitions stayed its own through
-the cut and that the other members' partitions went on meanwhile.
+Each fault also checks that the other members' partitions went on meanwhile
+(and notes it if the member's partitions changed hands during the cut).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ longest backoff between two tries (``MAX_BACKOFF``, 5 s), a connection attempt t
 in the cut (``DEFAULT_CONNECT_TIMEOUT``, 5 s), and a turn."""
 HOLD_WITHIN = 30.0
 """Seconds for a member to reach the batch it was told to hold."""
+REBALANCE_SLACK = 10.0
+"""Seconds past the group's session timeout for another member to take a cut member's
+partitions: the coordinator's rebalance, the survivors' rejoin and their takes."""
 
 
 def pg_port(dsn: str) -> int:
@@ -91,14 +98,48 @@ class Cuts:
 # -------------------------------------------------------------- scenarios --
 
 
-def pg_cut_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
-    """Postgres cuts of a member mid-transaction, before its COMMIT or inside its handler;
-    ``wait``: how long each lasts past the server's idle-in-transaction timeout."""
-    kinds = scenarios._balanced(rng, ["pg_cut_before_commit", "pg_cut_in_handler"], size.faults)
-    return [
-        scenarios.Fault(at, kind, pick=rng.random(), wait=rng.uniform(0.5, 2.0))
-        for at, kind in zip(scenarios._spread(rng, size.faults, 1.0, 2.0), kinds, strict=True)
-    ]
+@dataclass(frozen=True)
+class Cut:
+    """One kind of cut: what the member loses, and where its batch is held first."""
+
+    services: tuple[str, ...]
+    hold: str | None = None
+    """``before_begin``, ``before_commit``, ``in_handler`` (:mod:`tests.chaos.consumer_child`)."""
+    answer_lost: bool = False
+    """The COMMIT gets through, its answer is held, then every connection is reset."""
+
+
+IN_TRANSACTION = ("before_commit", "in_handler")
+"""Holds inside a transaction: the batch goes on into the cut."""
+CUTS = {
+    "pg_reset_after_commit": Cut(("postgres",), "before_commit", answer_lost=True),
+    "pg_cut_before_commit": Cut(("postgres",), "before_commit"),
+    "pg_cut_in_handler": Cut(("postgres",), "in_handler"),
+    "kafka_cut_before_begin": Cut(("kafka",), "before_begin"),
+    "kafka_cut": Cut(("kafka",)),
+    "both_cut_before_commit": Cut(("postgres", "kafka"), "before_commit"),
+    "both_cut_in_handler": Cut(("postgres", "kafka"), "in_handler"),
+}
+"""The cuts by ``Fault.kind``; a scenario's schedule draws from its own (a run of one
+fault, the ``tiny`` size of the teeth, gets the first)."""
+PG_CUTS = ["pg_reset_after_commit", "pg_cut_before_commit", "pg_cut_in_handler"]
+KAFKA_CUTS = ["kafka_cut_before_begin", "kafka_cut"]
+BOTH_CUTS = ["both_cut_before_commit", "both_cut_in_handler"]
+
+
+def cut_schedule(kinds: list[str]) -> scenarios.Schedule:
+    """A schedule of cuts of ``kinds``, as often each (the first first in a run of one);
+    ``wait``: how long a cut lasts past what it must bring about (the server's idle
+    timeout, the takeover), or a reset lasts."""
+
+    def schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
+        drawn = scenarios._balanced(rng, kinds, size.faults) if size.faults > 1 else kinds[:1]
+        return [
+            scenarios.Fault(at, kind, pick=rng.random(), wait=rng.uniform(0.5, 2.0))
+            for at, kind in zip(scenarios._spread(rng, size.faults, 1.0, 2.0), drawn, strict=True)
+        ]
+
+    return schedule
 
 
 SCENARIOS: dict[str, scenarios.Scenario] = {
@@ -111,12 +152,36 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
             "reaching it; then healed",
             {
                 "tiny": scenarios.Size(messages=200, faults=1, rate=60),
-                "short": scenarios.Size(messages=300, faults=2, rate=80),
+                "short": scenarios.Size(messages=300, faults=3, rate=80),
                 "full": scenarios.Size(
                     messages=1200, faults=4, partitions=4, consumers=3, rate=100
                 ),
             },
-            pg_cut_schedule,
+            cut_schedule(PG_CUTS),
+        ),
+        scenarios.Scenario(
+            "kafka_cut",
+            "a consumer cut off from Kafka (its membership expires, its partitions move) "
+            "while Postgres still reaches it, a turn of it held from before the cut; healed",
+            {
+                "tiny": scenarios.Size(messages=200, faults=1, rate=60),
+                "full": scenarios.Size(
+                    messages=1200, faults=4, partitions=4, consumers=3, rate=100
+                ),
+            },
+            cut_schedule(KAFKA_CUTS),
+        ),
+        scenarios.Scenario(
+            "both_cut",
+            "a consumer cut off from Kafka and Postgres mid-transaction; healed after "
+            "another member took its partitions over",
+            {
+                "tiny": scenarios.Size(messages=200, faults=1, rate=60),
+                "full": scenarios.Size(
+                    messages=1200, faults=4, partitions=4, consumers=3, rate=100
+                ),
+            },
+            cut_schedule(BOTH_CUTS),
         ),
     ]
 }
@@ -204,10 +269,32 @@ class NetsplitRun(driver.ConsumerRun):
     # ----------------------------------------------------------- faults --
 
     async def inject_other(self, f: scenarios.Fault) -> None:
-        if f.kind in ("pg_cut_before_commit", "pg_cut_in_handler"):
-            await self._pg_cut(f, f.kind.removeprefix("pg_cut_"))
-        else:
+        cut = CUTS.get(f.kind)
+        if cut is None:
             await super().inject_other(f)
+            return
+        await self._cut(f, cut)
+
+    async def _committed(self, holder: str, failpoint: str) -> None:
+        """Wait until the batch held at ``failpoint`` (``FAILPOINT <what> <partition> <first
+        offset> <token>``) committed."""
+        partition, first, token = (int(x) for x in failpoint.split()[2:5])
+
+        async def landed() -> bool:
+            return bool(
+                await self.q(
+                    lambda p: p.fetchval(
+                        "SELECT EXISTS (SELECT FROM chaos_batches WHERE holder = $1"
+                        ' AND "partition" = $2 AND first_offset = $3 AND token = $4)',
+                        holder,
+                        partition,
+                        first,
+                        token,
+                    )
+                )
+            )
+
+        await helpers.wait_for(landed, within=HOLD_WITHIN, what=f"{holder}'s COMMIT to land")
 
     async def _in_transaction(self, holder: str) -> set[int]:
         """The backends of ``holder`` inside a transaction now."""
@@ -220,79 +307,184 @@ class NetsplitRun(driver.ConsumerRun):
         )
         return {r["pid"] for r in rows}
 
-    async def _pg_cut(self, f: scenarios.Fault, where: str) -> None:
-        """Cut a member off from Postgres with a batch held at ``where``; heal after the
-        server's idle timeout and ``f.wait`` more."""
+    async def _cut(self, f: scenarios.Fault, cut: Cut) -> None:
+        """Cut a member off from ``cut.services`` (its batch held at ``cut.hold`` first),
+        wait for what the cut must bring about, heal, and time the member's way back."""
         child = await self.pick_owner(f.pick)
         cuts = self.cuts[self.slot_of(child)]
-        n = len(child.lines)
-        child.send(f"hold {where}")
-        _, line = await child.expect("FAILPOINT", after=n, within=HOLD_WITHIN)
-        self.note(f"{child.name}: {line}")
+        o = self.scenario.options
+        idle_timeout = o.idle_timeout_ms / 1000
+        line = ""
+        if cut.hold is not None:
+            n = len(child.lines)
+            child.send(f"hold {cut.hold}")
+            _, line = await child.expect("FAILPOINT", after=n, within=HOLD_WITHIN)
+            self.note(f"{child.name}: {line}")
         open_ = await self._in_transaction(child.name)
         owned = {p: (h, t) for p, (h, t, _) in (await self.owners()).items()}
         mine = {p for p, (h, _) in owned.items() if h == child.name}
         before = await self.offsets_of(None)
-        cuts.cut("postgres")
+        if cut.answer_lost:
+            cuts.proxies["postgres"].cut(to_service=False)
+            child.send("release")
+            await self._committed(child.name, line)
+            cuts.reset("postgres")
+            self.note(f"{child.name}'s COMMIT landed, its answer lost: connections reset")
+        else:
+            cuts.cut(*cut.services)
+            if cut.hold in IN_TRANSACTION:
+                child.send("release")  # its next statement goes into the cut
+            self.note(
+                f"{child.name} cut off from {' and '.join(cut.services)}, "
+                f"{len(open_)} transaction(s) open"
+            )
         t_cut = time.monotonic()
-        child.send("release")
-        self.note(f"{child.name} cut off from Postgres, {len(open_)} transaction(s) open")
-        idle_timeout = self.scenario.options.idle_timeout_ms / 1000
-        heal_at = t_cut + idle_timeout + f.wait
+        if "kafka" in cut.services:
+            # The group drops the member after its session timeout; another takes its
+            # partitions (past the cut member's open transactions, if Postgres is cut too).
+            bound = o.session_timeout_ms / 1000 + REBALANCE_SLACK
+            if "postgres" in cut.services:
+                bound = max(bound, idle_timeout + SESSION_END_SLACK)
+            took = await self._taken_over(child.name, mine, before, bound)
+            heal_at = time.monotonic() + f.wait
+        else:
+            took = await self._sessions_end(child.name, open_, idle_timeout)
+            heal_at = t_cut + (0.0 if cut.answer_lost else idle_timeout) + f.wait
+        if took is not None:
+            self.figures.takeovers.append(took)
+        if cut.hold == "before_begin":
+            await self._settle(child, line)
+        await asyncio.sleep(max(heal_at - time.monotonic(), 0.0))
+        others = await self.offsets_of(None)
+        marks = await self.marks()
+        cuts.heal()
+        t_heal = time.monotonic()
+        self.note(f"{child.name} healed after {t_heal - t_cut:.1f}s")
+        if "kafka" not in cut.services:
+            stuck = [
+                p
+                for p, base in sorted(before.items())
+                if p not in mine and self.acked[p] > (base or 0) and others.get(p) == base
+            ]
+            if stuck:
+                self.violation(
+                    f"partitions {stuck} of the other members did not move while {child.name} "
+                    "was cut off from Postgres"
+                )
+        await self._back_to_work(child, t_heal, marks["batch"], {p: others[p] for p in mine})
+
+    async def _sessions_end(
+        self, holder: str, open_: set[int], idle_timeout: float
+    ) -> float | None:
+        """Seconds until the server ended ``holder``'s sessions ``open_`` (None: not within
+        the idle timeout, a violation)."""
+        t0 = time.monotonic()
 
         async def ended() -> bool:
-            return not (open_ & await self._in_transaction(child.name))
+            return not (open_ & await self._in_transaction(holder))
 
-        bound = idle_timeout + SESSION_END_SLACK
         try:
             await helpers.wait_for(
                 ended,
-                within=min(heal_at, t_cut + bound) - time.monotonic(),
+                within=idle_timeout + SESSION_END_SLACK,
                 interval=0.05,
-                what=f"the server to end {child.name}'s cut sessions",
+                what=f"the server to end {holder}'s cut sessions",
             )
         except AssertionError:
             self.violation(
-                f"{child.name}'s transactions stayed open behind the cut past the idle "
+                f"{holder}'s transactions stayed open behind the cut past the idle "
                 f"timeout ({idle_timeout:g}s + {SESSION_END_SLACK:g}s)"
             )
-        else:
-            took = time.monotonic() - t_cut
-            self.figures.takeovers.append(took)
-            self.note(f"the server ended {child.name}'s sessions {took:.1f}s after the cut")
-        await asyncio.sleep(max(heal_at - time.monotonic(), 0.0))
-        during = await self.owners()
-        others = await self.offsets_of(None)
-        cuts.heal("postgres")
-        t_heal = time.monotonic()
-        self.note(f"{child.name} healed after {t_heal - t_cut:.1f}s")
-        moved = [p for p in mine if during[p][:2] != owned[p]]
-        if moved:
-            self.note(f"partitions {moved} of {child.name} changed hands during the cut")
-        stuck = [
-            p
-            for p, base in sorted(before.items())
-            if p not in mine and self.acked[p] > (base or 0) and others.get(p) == base
-        ]
-        if stuck:
-            self.violation(
-                f"partitions {stuck} of the other members did not move while {child.name} "
-                "was cut off from Postgres"
+            return None
+        took = time.monotonic() - t0
+        self.note(f"the server ended {holder}'s sessions {took:.1f}s after the cut")
+        return took
+
+    async def _taken_over(
+        self, holder: str, mine: set[int], before: dict[int, int | None], bound: float
+    ) -> float | None:
+        """Seconds until others hold ``holder``'s partitions ``mine`` and moved each past
+        ``before`` (None: not within ``bound``, a violation)."""
+        t0 = time.monotonic()
+
+        async def taken() -> bool:
+            now = await self.owners()
+            return all(
+                now[p][0] != holder and (n := now[p][2]) is not None and (b is None or n > b)
+                for p in mine
+                for b in [before[p]]
             )
-        affected = {p: before[p] for p in mine}
-        self.watch(f"heal of {child.name}", t_heal, affected)
-        if self.recovering is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.recovering), driver.RECOVERY_WITHIN)
-            except TimeoutError:
-                return  # inject() names it
-            took = self.result.recoveries[-1]
-            self.figures.progress.append(took)
-            if took > HEAL_BOUND:
-                self.violation(
-                    f"{child.name}'s partitions moved again {took:.1f}s after the heal, past "
-                    f"{HEAL_BOUND:g}s"
+
+        try:
+            await helpers.wait_for(
+                taken, within=bound, what=f"others to take {holder}'s partitions over"
+            )
+        except AssertionError:
+            self.violation(f"{holder}'s partitions {sorted(mine)} not taken over in {bound:g}s")
+            return None
+        took = time.monotonic() - t0
+        self.note(f"{holder}'s partitions {sorted(mine)} taken over {took:.1f}s after the cut")
+        return took
+
+    async def _settle(self, child: Child, failpoint: str) -> None:
+        """Let ``child``'s turn held before its BEGIN go on, under the token it had: the
+        fence refuses it (or, broken, it commits)."""
+        token = int(failpoint.split()[-1])
+        marks = await self.marks()
+        child.send("release")
+
+        async def settled() -> bool:
+            return await self.settled(child.name, token, marks)
+
+        try:
+            await helpers.wait_for(settled, within=HOLD_WITHIN, what=f"{child.name}'s held turn")
+        except AssertionError:
+            self.note(f"{child.name}'s held turn left no trace (dropped by its owner look?)")
+        else:
+            self.note(f"{child.name}'s turn held since before the cut settled")
+
+    async def _back_to_work(
+        self, child: Child, t_heal: float, batch_mark: int, at_heal: dict[int, int | None]
+    ) -> None:
+        """Time the healed member's way back: it commits a batch again, and every partition
+        it held moves past where it stood at the heal (or production is over and it is
+        caught up)."""
+
+        async def working() -> bool:
+            committed = await self.q(
+                lambda p: p.fetchval(
+                    "SELECT EXISTS (SELECT FROM chaos_batches WHERE id > $1 AND holder = $2)",
+                    batch_mark,
+                    child.name,
                 )
+            )
+            now = await self.offsets_of(None)
+            return (committed or self.production_done.is_set()) and all(
+                (n := now.get(p)) is not None
+                and (
+                    (base is None or n > base)
+                    or (self.production_done.is_set() and n >= self.acked[p])
+                )
+                for p, base in at_heal.items()
+            )
+
+        try:
+            await helpers.wait_for(
+                working, within=driver.RECOVERY_WITHIN, what=f"{child.name} back to work"
+            )
+        except AssertionError:
+            self.violation(
+                f"{child.name} not back to work {driver.RECOVERY_WITHIN:g}s after the heal"
+            )
+            return
+        took = time.monotonic() - t_heal
+        self.figures.progress.append(took)
+        self.result.recoveries.append(took)
+        self.note(f"{child.name} back to work {took:.1f}s after the heal")
+        if took > HEAL_BOUND:
+            self.violation(
+                f"{child.name} back to work {took:.1f}s after the heal, past {HEAL_BOUND:g}s"
+            )
 
 
 async def run(

@@ -91,6 +91,23 @@ async def test_a_blackhole_holds_an_open_stream_and_delivers_it_in_order_on_heal
         writer.close()
 
 
+async def test_a_one_way_cut_delivers_the_request_and_holds_its_answer() -> None:
+    async with echo_server() as port, proxy.Proxy("echo", port) as p:
+        reader, writer = await asyncio.open_connection(proxy.HOST, p.port)
+        p.cut(to_service=False)
+        writer.write(b"request")
+
+        async def arrived() -> bool:
+            return p.traffic.to_service == 7
+
+        await helpers.wait_for(arrived, within=WITHIN, interval=0.01, what="the request")
+        answer = asyncio.ensure_future(reader.readexactly(7))
+        await nothing_within(answer)
+        p.heal()
+        assert await asyncio.wait_for(answer, WITHIN) == b"request"
+        writer.close()
+
+
 async def test_a_blackhole_accepts_a_new_connection_and_never_answers_until_healed() -> None:
     async with echo_server() as port, proxy.Proxy("echo", port) as p:
         p.cut()
