@@ -10,10 +10,12 @@ random against several processes; each test here pins one of them down.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import orjson
 
+import dedup
 from dedup import _faults as faults
 from dedup.data import _db as db
 from dedup_dev import effects, helpers, proxy
@@ -88,3 +90,57 @@ async def test_a_commit_held_by_a_cut_past_the_idle_timeout_is_an_outage_not_the
     assert await effects.effect_counts(pool) == (1, 1)
     assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 0
     assert consumer.stats["processed"] == 1
+
+
+LEASE_TTL = 2.0
+"""Seconds of the cut runner's lease."""
+TOLD_WITHIN = LEASE_TTL + 1.5
+"""Seconds from the cut by which the job must know: the ttl after the last renewal, and
+one renewal period (a third of the ttl) for the renewal in flight, and some slack."""
+
+
+async def test_a_runner_cut_off_from_postgres_tells_its_job_the_lease_is_lost_during_the_cut(
+    dsn: str, pool: Any
+) -> None:
+    """The watchdog's renewals go nowhere: by the lease's expiry the job is cancelled and
+    ``on_lease_lost`` called, while the network is still cut (the ``lease_lost`` event
+    can't be written then; it was written first, and hung, before)."""
+    task = f"cut_{uuid.uuid4().hex[:8]}"
+    async with proxy.Proxy("postgres", port_of(dsn)) as cut:
+        proxied = await db.create_pool(proxy.with_port(dsn, cut.port))
+        working = asyncio.Event()
+        told = asyncio.Event()
+        cancelled = asyncio.Event()
+
+        async def job(run: dedup.TaskRun) -> None:
+            working.set()
+            try:
+                await asyncio.Event().wait()  # works until told to stop
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        runner = dedup.TaskRunner(
+            pool=proxied, holder="cut", on_lease_lost=lambda run, error: told.set()
+        )
+        try:
+            running = asyncio.ensure_future(runner.run(task, "k", job, lease_ttl=LEASE_TTL))
+            await asyncio.wait_for(working.wait(), WITHIN)
+            cut.cut()
+            await asyncio.wait_for(told.wait(), TOLD_WITHIN)
+            assert cancelled.is_set()
+            assert not running.done() or running.exception() is None
+            cut.heal()
+            outcome = await asyncio.wait_for(running, WITHIN)
+        finally:
+            cut.heal()  # a failed wait above must not leave the pool's close hanging
+            await proxied.close()
+    assert outcome.status == "failed"
+    assert "could not be renewed before it expired" in (outcome.error or "")
+    kinds = [
+        r["kind"]
+        for r in await pool.fetch(
+            "SELECT kind FROM dedup.events WHERE namespace = $1 ORDER BY id", task
+        )
+    ]
+    assert "lease_lost" in kinds, kinds
