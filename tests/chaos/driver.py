@@ -71,6 +71,8 @@ RUN_LIMIT = {"tiny": 240.0, "short": 240.0, "full": 600.0}
 DRAIN_WITHIN = 120.0
 RECOVERY_WITHIN = 120.0
 SNAPSHOT_EVERY = 1.0
+TASK_TTL = 2.0
+"""Seconds of the task runners' leases (their watchdogs renew every third of it)."""
 OVERLAPPING = frozenset({"join", "leave_term", "leave_kill", "slow"})
 """Storm faults follow each other without waiting for the group to settle."""
 
@@ -778,14 +780,31 @@ class TaskRunRun(Run):
         self.rng = scenarios.rng_for(scenario.name, seed, "runners")
         self.work = [self.rng.uniform(0.5, 1.5) for _ in self.keys]
 
-    async def runner(self, key: int, name: str, *, force: bool = False, hold: float = 0.0) -> Child:
+    async def runner(
+        self,
+        key: int,
+        name: str,
+        *,
+        force: bool = False,
+        hold: float = 0.0,
+        dsn: str | None = None,
+        work: float | None = None,
+        held: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """A runner of key ``key`` on the run's database (or ``dsn``), its job working the
+        key's seconds (or ``work``); ``held``: its write waits for ``release``."""
+        work = self.work[key] if work is None else work
         args = [
-            *("--dsn", self.ctx.dsn, "--task", self.task, "--key", self.keys[key]),
-            *("--holder", name, "--ttl", "2", "--work", f"{self.work[key]:.2f}"),
+            *("--dsn", dsn or self.ctx.dsn, "--task", self.task, "--key", self.keys[key]),
+            *("--holder", name, "--ttl", str(TASK_TTL), "--work", f"{work:.2f}"),
             *("--hold", str(hold)),
             *(["--force"] if force else []),
+            *(["--held"] if held else []),
         ]
-        child = await Child.start("tests.chaos.task_child", args, name=name, logs=self.ctx.logs)
+        child = await Child.start(
+            "tests.chaos.task_child", args, name=name, logs=self.ctx.logs, env=env
+        )
         self.children.append(child)
         return child
 

@@ -45,9 +45,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import asyncpg
+
 from dedup_dev import helpers, proxy
 from dedup_dev.children import Child
-from tests.chaos import driver, report, scenarios
+from tests.chaos import driver, oracle, report, scenarios
 from tests.chaos.services import KAFKA_SLOTS, kafka_listener_port, kafka_proxy_port
 
 TABLE_START = "<!-- partition-table:start -->"
@@ -61,6 +63,15 @@ longest backoff between two tries (``MAX_BACKOFF``, 5 s), a connection attempt t
 in the cut (``DEFAULT_CONNECT_TIMEOUT``, 5 s), and a turn."""
 HOLD_WITHIN = 30.0
 """Seconds for a member to reach the batch it was told to hold."""
+TASK_LONG_JOB = 60.0
+"""Seconds a cut runner's job would work: it must be told it lost its lease long before."""
+TASK_TAKEOVER_SLACK = 3.0
+"""Seconds past the lease's ttl for the second runner to take it: its next firing
+(``REFIRE_EVERY``, 0.25 s) and its claim."""
+TASK_TOLD_SLACK = 1.5
+"""Seconds past the lease's ttl for the cut runner's job to be told: its watchdog's
+deadline is the ttl after its last renewal; the renewal in flight then may take one
+renewal period (a third of the ttl) more."""
 REBALANCE_SLACK = 10.0
 """Seconds past the group's session timeout for another member to take a cut member's
 partitions: the coordinator's rebalance, the survivors' rejoin and their takes."""
@@ -125,6 +136,17 @@ fault, the ``tiny`` size of the teeth, gets the first)."""
 PG_CUTS = ["pg_reset_after_commit", "pg_cut_before_commit", "pg_cut_in_handler"]
 KAFKA_CUTS = ["kafka_cut_before_begin", "kafka_cut"]
 BOTH_CUTS = ["both_cut_before_commit", "both_cut_in_handler"]
+TASK_CUTS = ["task_cut_writing", "task_cut_working"]
+
+
+def task_cut_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
+    """One cut per business key, as often of each kind (a run of one: a write held);
+    ``wait``: how long each lasts past the takeover."""
+    kinds = scenarios._balanced(rng, TASK_CUTS, size.faults) if size.faults > 1 else TASK_CUTS[:1]
+    return [
+        scenarios.Fault(0.0, kind, wait=rng.uniform(0.5, 2.0), member=key)
+        for key, kind in enumerate(kinds)
+    ]
 
 
 def cut_schedule(kinds: list[str]) -> scenarios.Schedule:
@@ -183,6 +205,17 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
             },
             cut_schedule(BOTH_CUTS),
         ),
+        scenarios.Scenario(
+            "task_cut",
+            "a task runner cut off from Postgres past its lease (working, or with its write "
+            "in flight) while a second runner takes over; then healed",
+            {
+                "tiny": scenarios.Size(messages=0, faults=1, consumers=2),
+                "full": scenarios.Size(messages=0, faults=4, consumers=2),
+            },
+            task_cut_schedule,
+            tasks=True,
+        ),
     ]
 }
 
@@ -200,6 +233,8 @@ class Result(report.Result):
 
     takeovers: list[float] = field(default_factory=list)
     progress: list[float] = field(default_factory=list)
+    told: list[float] = field(default_factory=list)
+    """Task cuts: seconds from the cut until the cut runner's job was told it lost the lease."""
 
     def line(self) -> str:
         def worst(values: list[float]) -> str:
@@ -208,6 +243,7 @@ class Result(report.Result):
         return (
             f"{super().line()} cut-to-takeover={worst(self.takeovers)}"
             f" heal-to-progress={worst(self.progress)}"
+            + (f" cut-to-told-lost={worst(self.told)}" if self.told else "")
         )
 
 
@@ -487,6 +523,132 @@ class NetsplitRun(driver.ConsumerRun):
             )
 
 
+class TaskCutRun(driver.TaskRunRun):
+    """Runners of one (task, key) at a time: the one that works is cut off from Postgres
+    past its lease while another takes over, then healed."""
+
+    def __init__(
+        self,
+        ctx: driver.RunContext,
+        scenario: scenarios.Scenario,
+        seed: int,
+        matrix: str,
+        broken: str | None = None,
+    ) -> None:
+        super().__init__(ctx, scenario, seed, matrix)
+        self.result = Result(scenario.name, seed, matrix)
+        self.result.broken = broken
+        self.broken = broken
+        self.proxies: list[proxy.Proxy] = []
+
+    @property
+    def figures(self) -> Result:
+        assert isinstance(self.result, Result)
+        return self.result
+
+    async def lease_token(self, key: int) -> int | None:
+        return await self.q(
+            lambda p: p.fetchval(
+                "SELECT token FROM dedup.leases WHERE resource = $1",
+                f"task:{self.task}:{self.keys[key]}",
+            )
+        )
+
+    async def cut_race(self, f: scenarios.Fault) -> None:
+        """Runner A takes the key's lease and works (``task_cut_working``: on a long job;
+        ``task_cut_writing``: its write and the task's completion held, then sent into the
+        cut); A is cut off from Postgres; B, firing meanwhile, takes over once A's lease
+        expired; A heals ``f.wait`` seconds after the takeover."""
+        key, name = f.member, self.keys[f.member]
+        writing = f.kind == "task_cut_writing"
+        cut = await proxy.Proxy(f"a{key}/postgres", pg_port(self.ctx.dsn)).start()
+        self.proxies.append(cut)
+        a = await self.runner(
+            key,
+            f"a{key}",
+            dsn=proxy.with_port(self.ctx.dsn, cut.port),
+            work=self.work[key] if writing else TASK_LONG_JOB,
+            held=writing,
+            env={"CHAOS_BREAK": self.broken} if self.broken else None,
+        )
+        _, line = await a.expect("WRITING" if writing else "WORKING", within=HOLD_WITHIN)
+        token = int(line.split()[1])
+        b = await self.runner(key, f"b{key}")
+        cut.cut()
+        t_cut = time.monotonic()
+        if writing:
+            a.send("release")  # its completion goes into the cut
+        self.note(f"{name}: a{key} (token {token}) cut off from Postgres while {line.split()[0]}")
+
+        async def taken_over() -> bool:
+            return (await self.lease_token(key) or 0) > token
+
+        bound = driver.TASK_TTL + TASK_TAKEOVER_SLACK
+        try:
+            await helpers.wait_for(taken_over, within=bound, what=f"{name} taken over")
+        except AssertionError:
+            self.violation(f"{name}: a{key}'s lease not taken over within {bound:g}s of the cut")
+        else:
+            took = time.monotonic() - t_cut
+            self.figures.takeovers.append(took)
+            self.note(f"{name}: b{key} took the lease over {took:.1f}s after the cut")
+        heal_at = time.monotonic() + f.wait
+        told = driver.TASK_TTL + TASK_TOLD_SLACK
+        try:
+            await a.expect("LOST", within=max(t_cut + told - time.monotonic(), 0.0))
+        except AssertionError:
+            self.violation(
+                f"{name}: a{key}'s job not told it lost its lease within {told:g}s of the cut"
+            )
+        else:
+            took = time.monotonic() - t_cut
+            self.figures.told.append(took)
+            self.note(f"{name}: a{key} told it lost the lease {took:.1f}s after the cut")
+        await asyncio.sleep(max(heal_at - time.monotonic(), 0.0))
+        cut.heal()
+        t_heal = time.monotonic()
+        self.note(f"{name}: a{key} healed after {t_heal - t_cut:.1f}s")
+        try:
+            code = await a.wait(within=HEAL_BOUND)
+        except AssertionError:
+            self.violation(f"{name}: a{key} still running {HEAL_BOUND:g}s after the heal")
+            a.struck = True
+            await a.kill()
+        else:
+            took = time.monotonic() - t_heal
+            self.figures.progress.append(took)
+            self.result.recoveries.append(took)
+            self.note(f"{name}: a{key} exited with {code} {took:.1f}s after the heal")
+        await b.wait(within=driver.RECOVERY_WITHIN)
+        self.result.faults += 1
+
+    async def execute(self) -> report.Result:
+        self.note(f"{self.scenario.name} seed {self.seed} ({self.matrix}): {len(self.keys)} keys")
+        for f in self.faults:
+            self.note(f"scheduled: {f.describe()} key={self.keys[f.member]}")
+        self.pool = await asyncpg.create_pool(self.ctx.dsn, min_size=0, max_size=3)
+        for f in self.faults:
+            await self.cut_race(f)
+        self.check_exits()
+        self.result.messages = sum(
+            1 for c in self.children for line in c.lines if line.startswith("OUTCOME")
+        )
+        async with self.pool.acquire() as conn:
+            verdict = await oracle.check_task_run(conn, self.task, self.keys, None)
+        r = self.result
+        r.lost, r.doubled = verdict.lost, verdict.doubled
+        r.stale_refused, r.stale_committed = verdict.stale_refused, verdict.stale_committed
+        r.violations.extend(verdict.violations)
+        return self.finish()
+
+    async def close(self) -> None:
+        for p in self.proxies:
+            p.heal()
+        await super().close()
+        for p in self.proxies:
+            await p.close()
+
+
 async def run(
     ctx: driver.RunContext,
     name: str,
@@ -497,7 +659,12 @@ async def run(
 ) -> Result:
     """Run one partition scenario with one seed; the result carries the oracle's findings."""
     matrix = matrix or scenarios.matrix()
-    the_run = NetsplitRun(ctx, SCENARIOS[name], seed, matrix, broken)
+    scenario = SCENARIOS[name]
+    the_run: driver.Run
+    if scenario.tasks:
+        the_run = TaskCutRun(ctx, scenario, seed, matrix, broken)
+    else:
+        the_run = NetsplitRun(ctx, scenario, seed, matrix, broken)
     result = await driver.conclude(the_run, matrix)
     assert isinstance(result, Result)
     return result
@@ -515,8 +682,10 @@ def table(results: list[report.Result]) -> str:
     rows = [
         "| scenario | runs (seeds) | messages | faults | lost | doubled | dead-lettered "
         "| stale writes refused | stale writes committed | cut → takeover, worst "
-        "| heal → progress, median | heal → progress, worst |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cut → told the lease is lost, worst | heal → progress, median "
+        "| heal → progress, worst |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
 
     def seconds(values: list[float], pick: Callable[[list[float]], float]) -> str:
@@ -524,6 +693,7 @@ def table(results: list[report.Result]) -> str:
 
     for name, runs in by.items():
         takeovers = [x for r in runs for x in r.takeovers]
+        told = [x for r in runs for x in r.told]
         progress = [x for r in runs for x in r.progress]
         rows.append(
             f"| {name} | {len(runs)} ({', '.join(str(r.seed) for r in runs)})"
@@ -531,7 +701,8 @@ def table(results: list[report.Result]) -> str:
             f" | {sum(r.lost for r in runs)} | {sum(r.doubled for r in runs)}"
             f" | {sum(r.dead_lettered for r in runs)} | {sum(r.stale_refused for r in runs)}"
             f" | {sum(r.stale_committed for r in runs)} | {seconds(takeovers, max)}"
-            f" | {seconds(progress, statistics.median)} | {seconds(progress, max)} |"
+            f" | {seconds(told, max)} | {seconds(progress, statistics.median)}"
+            f" | {seconds(progress, max)} |"
         )
     return "\n".join(rows)
 

@@ -51,3 +51,17 @@ async def test_without_the_idle_timeout_a_cut_member_holds_its_partitions_until_
     result = await netsplit.run(chaos_run, "both_cut", 1, matrix="tiny", broken="no_idle_timeout")
     completed(result)
     assert any("not taken over" in v for v in result.violations), result.violations
+
+
+async def test_an_unfenced_job_cut_off_past_its_lease_commits_its_write_late(
+    chaos_run: driver.RunContext,
+) -> None:
+    # task_cut's tiny size is one task_cut_writing: the runner's write and its COMMIT are
+    # held by the cut while another runner takes over and finishes.  Seed 5 heals 0.5 s
+    # after the takeover, inside the server's idle timeout: the queued COMMIT arrives.
+    # Fenced, it would be refused; the unfenced job's write lands, a second effect under
+    # a token that no longer held the lease.
+    result = await netsplit.run(chaos_run, "task_cut", 5, matrix="tiny", broken="no_fence")
+    completed(result)
+    assert result.stale_committed > 0, result.violations
+    assert result.doubled > 0, result.violations
