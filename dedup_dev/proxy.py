@@ -114,6 +114,9 @@ class Proxy:
         self._gates = {"to_service": asyncio.Event(), "to_client": asyncio.Event()}
         for gate in self._gates.values():
             gate.set()
+        self._trip: bytes | None = None
+        self.tripped = asyncio.Event()
+        """Set when a :meth:`cut_after` cut the answers."""
         self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
 
@@ -162,8 +165,18 @@ class Proxy:
             else:
                 self._gates[direction].set()
 
+    def cut_after(self, marker: bytes) -> None:
+        """Cut the answers (``cut(to_service=False)``) right after the next chunk sent to
+        the service that holds ``marker``: a request (``b"COMMIT"``, say) arrives and is
+        carried out, its answer does not come back.  :attr:`tripped` is set then.  A
+        marker split across two reads is missed."""
+        self._trip = marker
+        self.tripped.clear()
+
     def heal(self) -> None:
-        """``PASS``: what was held flows, then everything else."""
+        """``PASS``: what was held flows, then everything else (a :meth:`cut_after` not
+        yet tripped is off)."""
+        self._trip = None
         self._set(Mode.PASS)
         for gate in self._gates.values():
             gate.set()
@@ -235,6 +248,11 @@ class Proxy:
                         target.write_eof()
                     return
                 target.write(data)
+                if counter == "to_service" and self._trip is not None and self._trip in data:
+                    # Before anything else runs: the answer can't get out ahead of the cut.
+                    self._trip = None
+                    self.cut(to_service=False)
+                    self.tripped.set()
                 await target.drain()
                 setattr(self.traffic, counter, getattr(self.traffic, counter) + len(data))
         except OSError:

@@ -14,6 +14,8 @@ traffic and the oracle are those of every consumer scenario
 ``pg_cut_in_handler``  the same, held inside the handler, whose next statement is
     queued behind the cut: ``handler_timeout`` cancels it, and the rollback
     goes nowhere either
+``flap``  the member's Postgres and Kafka proxies flap for ``Fault.arg`` seconds (see
+    :meth:`NetsplitRun._flap`)
 ``pg_reset_after_commit``  the batch's COMMIT gets through and its answer is held
     (a one-way cut); once it landed, the connection is reset, the answer lost, and
     every new connection is reset for ``Fault.wait`` seconds: the batch's fate is
@@ -38,6 +40,7 @@ Each fault also checks that the other members' partitions went on meanwhile
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 import time
@@ -137,6 +140,30 @@ PG_CUTS = ["pg_reset_after_commit", "pg_cut_before_commit", "pg_cut_in_handler"]
 KAFKA_CUTS = ["kafka_cut_before_begin", "kafka_cut"]
 BOTH_CUTS = ["both_cut_before_commit", "both_cut_in_handler"]
 TASK_CUTS = ["task_cut_writing", "task_cut_working"]
+FLAP_CUT = (0.1, 0.5)
+"""Seconds each cut of a flapping link lasts (and a reset after it): shorter than every
+timeout in play, so each cut alone is only a delay."""
+FLAP_HEALED = (0.1, 0.5)
+"""Seconds the flapping link passes between two cuts."""
+FLAP_ANSWERS_ONLY = 0.5
+"""Share of a flap's cuts that hold only the answers (requests still arrive)."""
+FLAP_RESET = 0.3
+"""Share of a flap's cuts that end in a reset: what was held is lost, answers too."""
+FLAP_COMMIT_LOST = 0.2
+"""Share of a flap's cuts that fall right behind a COMMIT of the member's (the next one it
+sends within the cut's time) and end in a reset: the COMMIT lands, its answer is lost."""
+FLAP_COMMIT_LANDS = 0.05
+"""Seconds between a COMMIT's arrival and the reset that loses its answer: the server has
+carried it out by then (it takes a millisecond here)."""
+
+
+def flap_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
+    """One flapping link, for as long as the traffic lasts (``arg``: seconds)."""
+    return [
+        scenarios.Fault(
+            rng.uniform(1.0, 2.0), "flap", pick=rng.random(), arg=size.messages / size.rate
+        )
+    ]
 
 
 def task_cut_schedule(rng: random.Random, size: scenarios.Size) -> list[scenarios.Fault]:
@@ -204,6 +231,19 @@ SCENARIOS: dict[str, scenarios.Scenario] = {
                 ),
             },
             cut_schedule(BOTH_CUTS),
+        ),
+        scenarios.Scenario(
+            "flap",
+            "a consumer's link to Kafka and Postgres flaps for a minute: cut (both ways, "
+            "or its answers only) and healed every few hundred ms, some cuts ending in a reset, "
+            "some right behind a COMMIT whose answer is lost",
+            {
+                "tiny": scenarios.Size(messages=600, faults=1, rate=60),
+                "full": scenarios.Size(
+                    messages=6000, faults=1, partitions=4, consumers=3, rate=100
+                ),
+            },
+            flap_schedule,
         ),
         scenarios.Scenario(
             "task_cut",
@@ -305,11 +345,70 @@ class NetsplitRun(driver.ConsumerRun):
     # ----------------------------------------------------------- faults --
 
     async def inject_other(self, f: scenarios.Fault) -> None:
+        if f.kind == "flap":
+            await self._flap(f)
+            return
         cut = CUTS.get(f.kind)
         if cut is None:
             await super().inject_other(f)
             return
         await self._cut(f, cut)
+
+    async def _flap(self, f: scenarios.Fault) -> None:
+        """Flap a member's link (its Postgres and Kafka proxies) for ``f.arg`` seconds: cut
+        (both ways, or its answers only) for 0.1-0.5 s, sometimes reset after that, or cut
+        right behind its next COMMIT and reset (the answer lost); healed for 0.1-0.5 s;
+        again and again.  Then time its way back."""
+        child = await self.pick_owner(f.pick)
+        cuts = self.cuts[self.slot_of(child)]
+        rng = scenarios.rng_for(self.scenario.name, self.seed, f"flap at {f.at}")
+        before = await self.offsets_of(None)
+        owned = {p: t for p, (_, t, _) in (await self.owners()).items()}
+        t0 = time.monotonic()
+        cycles = resets = 0
+        postgres = cuts.proxies["postgres"]
+        lost = 0
+        while time.monotonic() - t0 < f.arg:
+            cut_for = rng.uniform(*FLAP_CUT)
+            if rng.random() < FLAP_COMMIT_LOST:
+                # The link breaks right behind a COMMIT: it lands, its answer is lost.
+                postgres.cut_after(b"COMMIT")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(postgres.tripped.wait(), cut_for)
+                    await asyncio.sleep(FLAP_COMMIT_LANDS)
+                    lost += 1
+                cuts.reset()
+                resets += 1
+            else:
+                answers_only = rng.random() < FLAP_ANSWERS_ONLY
+                for service in cuts.proxies.values():
+                    service.cut(to_service=not answers_only)
+                await asyncio.sleep(cut_for)
+                if rng.random() < FLAP_RESET:
+                    cuts.reset()
+                    resets += 1
+                    await asyncio.sleep(rng.uniform(*FLAP_CUT))
+            cuts.heal()
+            cycles += 1
+            await asyncio.sleep(rng.uniform(*FLAP_HEALED))
+        t_heal = time.monotonic()
+        self.note(
+            f"{child.name}'s link flapped for {t_heal - t0:.1f}s: {cycles} cuts, {resets} of "
+            f"them ending in a reset, {lost} right behind a COMMIT whose answer was lost"
+        )
+        after = await self.owners()
+        moved = sorted(p for p, t in owned.items() if after[p][1] != t)
+        if moved:
+            self.note(f"partitions {moved} changed hands during the flap")
+        stuck = [
+            p
+            for p, base in sorted(before.items())
+            if self.acked[p] > (base or 0) and after[p][2] == base
+        ]
+        if stuck:
+            self.violation(f"partitions {stuck} did not move during {child.name}'s flap")
+        mine = {p: n for p, (h, _, n) in after.items() if h == child.name}
+        await self._back_to_work(child, t_heal, (await self.marks())["batch"], mine)
 
     async def _committed(self, holder: str, failpoint: str) -> None:
         """Wait until the batch held at ``failpoint`` (``FAILPOINT <what> <partition> <first

@@ -65,3 +65,14 @@ async def test_an_unfenced_job_cut_off_past_its_lease_commits_its_write_late(
     completed(result)
     assert result.stale_committed > 0, result.violations
     assert result.doubled > 0, result.violations
+
+
+async def test_without_the_fence_a_flapping_link_claims_commits_whose_answer_it_lost(
+    chaos_run: driver.RunContext,
+) -> None:
+    # Some of the flap's cuts fall right behind a COMMIT and end in a reset: the COMMIT
+    # landed, the consumer never heard.  The fence would tell; without it the batch runs
+    # again and its keys are claimed twice.
+    result = await netsplit.run(chaos_run, "flap", 1, matrix="tiny", broken="no_fence")
+    completed(result)
+    assert any("not each counted once" in v for v in result.violations), result.violations

@@ -108,6 +108,22 @@ async def test_a_one_way_cut_delivers_the_request_and_holds_its_answer() -> None
         writer.close()
 
 
+async def test_a_cut_after_a_marker_lets_that_request_through_and_holds_its_answer() -> None:
+    async with echo_server() as port, proxy.Proxy("echo", port) as p:
+        reader, writer = await asyncio.open_connection(proxy.HOST, p.port)
+        p.cut_after(b"COMMIT")
+        writer.write(b"SELECT")
+        assert await asyncio.wait_for(reader.readexactly(6), WITHIN) == b"SELECT"
+        writer.write(b"COMMIT")
+        await asyncio.wait_for(p.tripped.wait(), WITHIN)
+        answer = asyncio.ensure_future(reader.readexactly(6))
+        await nothing_within(answer)
+        assert p.traffic.to_service == 12  # the COMMIT arrived
+        p.heal()
+        assert await asyncio.wait_for(answer, WITHIN) == b"COMMIT"
+        writer.close()
+
+
 async def test_a_blackhole_accepts_a_new_connection_and_never_answers_until_healed() -> None:
     async with echo_server() as port, proxy.Proxy("echo", port) as p:
         p.cut()
