@@ -73,6 +73,8 @@ class Traffic:
     """Bytes delivered to the client."""
     resets: int = 0
     """Connections reset (by :meth:`Proxy.reset`, or accepted while resetting)."""
+    held: int = 0
+    """Chunks read and held by a cut (a request, an answer, a close sent into it)."""
 
 
 @dataclass(eq=False)
@@ -242,6 +244,8 @@ class Proxy:
             while True:
                 await gate.wait()
                 data = await source.read(CHUNK_BYTES)
+                if not gate.is_set():
+                    self.traffic.held += 1
                 await gate.wait()  # a chunk read as the cut fell is held, not sent
                 if not data:
                     if target.can_write_eof():

@@ -10,6 +10,7 @@ random against several processes; each test here pins one of them down.
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 from typing import Any
 
@@ -17,8 +18,10 @@ import orjson
 
 import dedup
 from dedup import _faults as faults
+from dedup.consumer import _lanes as lanes_
+from dedup.consumer import _partitions as partitions_
 from dedup.data import _db as db
-from dedup_dev import effects, helpers, proxy
+from dedup_dev import consumer_process, effects, helpers, proxy
 from dedup_dev.kafka import Topics
 
 HANDLER_TIMEOUT = 0.5
@@ -144,3 +147,43 @@ async def test_a_runner_cut_off_from_postgres_tells_its_job_the_lease_is_lost_du
         )
     ]
     assert "lease_lost" in kinds, kinds
+
+
+SHUTDOWN_TIMEOUT = 2.0
+"""Seconds the cut consumer's batches in flight get on SIGTERM (it has none)."""
+STOPS_WITHIN = SHUTDOWN_TIMEOUT + partitions_.OWNER_LOOK_TIMEOUT + lanes_.RELEASE_TIMEOUT + 5.0
+"""Seconds from SIGTERM to the exit of a consumer cut off from Postgres: its owner look
+given up, its lanes' connections let go, and a few seconds to leave the group."""
+
+
+async def test_a_consumer_cut_off_from_postgres_stops_on_sigterm_within_its_bound(
+    bootstrap_servers: str, topics: Topics, dsn: str, pool: Any
+) -> None:
+    """Its periodic look at its partitions' owners goes into the cut; the fetch loop must
+    not wait for it: SIGTERM ends the process, exit 0, while the network is still cut."""
+    await pool.execute(effects.EFFECTS)
+    topic = await topics.create(partitions=1)
+    await helpers.produce(
+        bootstrap_servers, topic, [(None, orjson.dumps({"id": f"m{i}"})) for i in range(3)]
+    )
+    async with proxy.Proxy("postgres", port_of(dsn)) as cut:
+        args = [
+            *("--dsn", proxy.with_port(dsn, cut.port), "--bootstrap-servers", bootstrap_servers),
+            *("--topic", topic, "--group", f"g-{topic}"),
+            *("--shutdown-timeout", str(SHUTDOWN_TIMEOUT)),
+        ]
+        async with consumer_process.started(*args) as child:
+
+            async def applied() -> bool:
+                return await effects.effect_counts(pool) == (3, 3)
+
+            await helpers.wait_for(applied, within=WITHIN, what="the three records applied")
+            cut.cut()
+
+            async def looking() -> bool:
+                return cut.traffic.held > 0  # the owner look's statement went into the cut
+
+            await helpers.wait_for(looking, within=WITHIN, interval=0.05, what="a look")
+            child.signal(signal.SIGTERM)
+            assert await child.wait(within=STOPS_WITHIN) == 0, child.stderr_tail()
+            cut.heal()
