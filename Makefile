@@ -46,7 +46,8 @@ demo: venv services
 # The chaos suite's full matrix (tests/chaos, docs/reliability.md): 20-25 min on
 # its own Kafka and Postgres (.services/chaos; the failover scenarios add a
 # standby there), never the shared pair, and about as long again for the
-# three-broker cluster's scenarios (.services/chaos-cluster); the tables go to
+# three-broker cluster's scenarios (.services/chaos-cluster), and 10 min for the
+# network partitions (tests/chaos/test_partitions.py); the tables go to
 # .services/chaos/results*.md and docs/reliability.md.  `make test` runs
 # its short version (one seed per scenario).
 chaos: venv

@@ -45,6 +45,10 @@ log = logging.getLogger("dedup.leases")
 
 DEFAULT_RENEW_FRACTION = 1 / 3
 """A watchdog renews after this fraction of the TTL, leaving two more tries before expiry."""
+LOSS_RECORD_TIMEOUT = 5.0
+"""Seconds the ``lease_lost`` event may take to be written.  A lease is often lost because
+Postgres can't be reached: past this the event is given up (and logged), so nothing that
+waits for the report (a watchdog's stop, a runner's outcome) waits for the network."""
 
 
 def default_holder() -> str:
@@ -267,11 +271,15 @@ class Leases:
         )
 
     async def report_lost(self, lease: Lease, error: errors.StaleTokenError) -> None:
-        """Write the ``lease_lost`` event for ``lease`` and count it; never raises."""
+        """Write the ``lease_lost`` event for ``lease`` and count it; never raises.
+
+        The event gets :data:`LOSS_RECORD_TIMEOUT` seconds; after that (Postgres cut
+        off, down) only the log line and the counter say it.
+        """
         telemetry.lease_losses.add(1)
         log.warning("lost lease %s (token %s): %s", lease.resource, lease.token, error)
         try:
-            async with self._conn(None) as c:
+            async with asyncio.timeout(LOSS_RECORD_TIMEOUT), self._conn(None) as c:
                 await self._record(c, lease, "lease_lost", reason=str(error))
         except db.DATABASE_ERRORS:
             log.warning("could not record the loss of lease %s", lease.resource, exc_info=True)
@@ -293,9 +301,10 @@ class Watchdog:
 
     It renews every ``every`` seconds (default: a third of the TTL).  When a
     renewal is refused, or the database cannot be reached before the lease
-    would expire, the lease is lost: the ``lease_lost`` event is written and
-    ``on_lost(lease, error)`` is called, once.  The holder must then stop
-    writing; its fence would refuse it anyway.
+    would expire, the lease is lost: ``on_lost(lease, error)`` is called, once,
+    at once, then the ``lease_lost`` event is written (within
+    :data:`LOSS_RECORD_TIMEOUT`: the database may be what was lost).  The
+    holder must then stop writing; its fence would refuse it anyway.
 
     Time between renewals is measured with the event loop's monotonic clock,
     and only as a duration, never compared with database times.
@@ -387,10 +396,13 @@ class Watchdog:
 
     async def _lose(self, error: errors.StaleTokenError) -> None:
         self.lost = error
-        await self.leases.report_lost(self.lease, error)
-        outcome = self._on_lost(self.lease, error)
-        if inspect.isawaitable(outcome):
-            await outcome
+        # The holder first: the event needs the database, which may be what was lost.
+        try:
+            outcome = self._on_lost(self.lease, error)
+            if inspect.isawaitable(outcome):
+                await outcome
+        finally:
+            await self.leases.report_lost(self.lease, error)
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,6 +8,7 @@ The one home of what they need; neither wheel includes it.
 ``kafka_tools``       Kafka's own command-line tools
 ``helpers``           waiting for a condition, and producing records, in the tests
 ``children``          child processes that announce themselves with lines on stdout
+``proxy``             a TCP proxy that passes, blackholes or resets: network partitions
 ``effects``           the ``effects`` business table, its handlers and the consumer builder
 ``consumer_process``  a consumer in its own process, for tests that kill or pause it
 ``faststream_member`` a FastStream group member in its own process

@@ -55,6 +55,9 @@ log = logging.getLogger("dedup.consumer")
 
 MIN_QUEUED = 64
 """Records a partition may hold besides those in flight, however small ``batch_size`` is."""
+RELEASE_TIMEOUT = 5.0
+"""Seconds a lane's connection may take to go back to the pool (its reset); past it the
+connection is closed instead."""
 
 
 class State(enum.Enum):
@@ -640,7 +643,7 @@ class Lane:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
-                await self._pool.release(conn, timeout=5)
+                await self._pool.release(conn, timeout=RELEASE_TIMEOUT)
 
     def terminate(self) -> None:
         """Close the connection at once: the server rolls back whatever it had open."""

@@ -43,6 +43,13 @@ T = TypeVar("T")
 TAKEOVER_LOCK_TIMEOUT = "15s"
 CANCEL_GRACE = 3.0
 """Seconds a cut turn gets to roll back before its connection is closed under it."""
+OWNER_LOOK_TIMEOUT = 5.0
+"""Seconds the periodic owner look may wait for a connection, and then for its one
+statement (its connection is closed after that); past it the look is skipped until
+the next interval.  It
+runs in the fetch loop, which also sees a stop request and keeps the member polling
+Kafka: a Postgres cut off by the network, its connections hanging, must not hold
+those up until it heals."""
 
 
 class Partitions:
@@ -378,9 +385,9 @@ class Partitions:
         return stuck
 
     async def release(self) -> None:
-        """Give the lanes' connections back to the pool."""
-        for lane in self.lanes:
-            await lane.release()
+        """Give the lanes' connections back to the pool, side by side (each within its
+        lane's release timeout)."""
+        await asyncio.gather(*(lane.release() for lane in self.lanes))
 
     # ---------------------------------------------------------------- gauges --
 
@@ -438,7 +445,8 @@ class Partitions:
 
         A busy partition learns of a newer token from its next turn's fence; an
         idle one would not until a message came, so an operator's ``dedup
-        offsets rewind`` would wait for traffic.  One statement for all partitions.
+        offsets rewind`` would wait for traffic.  One statement for all partitions,
+        given :data:`OWNER_LOOK_TIMEOUT`.
         """
         now = time.monotonic()
         if not self.owned or now - self._last_owner_check < self._commit_interval:
@@ -448,12 +456,19 @@ class Partitions:
         # it can tell that Postgres forgot their last commits (a failover).
         idle = {tp: (p.token, p.expected) for tp, p in self.owned.items() if not p.busy}
         try:
-            async with self._pool.acquire() as conn:
-                stored = await self._settings.store.positions(
-                    conn,
-                    self._settings.group_id,
-                    [(tp.topic, tp.partition) for tp in self.owned],
-                )
+            async with self._pool.acquire(timeout=OWNER_LOOK_TIMEOUT) as conn:
+                try:
+                    async with asyncio.timeout(OWNER_LOOK_TIMEOUT):
+                        stored = await self._settings.store.positions(
+                            conn,
+                            self._settings.group_id,
+                            [(tp.topic, tp.partition) for tp in self.owned],
+                        )
+                except TimeoutError:
+                    # Its statement went nowhere; a release would wait for the
+                    # cancellation to get through as long.
+                    conn.terminate()
+                    raise
         except Exception as exc:
             if not db.is_retriable(exc):
                 raise

@@ -15,6 +15,9 @@ deadlock (40P01)                       anywhere   ``AGAIN`` after a backoff; cou
 serialization failure (40001)          anywhere   ``AGAIN`` after a backoff
 the server cut the session for idling  handler    ``SPLIT``: the handler kept the transaction
 in the transaction                                idle past ``handler_timeout``
+the server cut the session for idling  dedup      ``AGAIN`` on a fresh connection: the handler
+while the handler was within its                  had returned; the network (or a pause) held
+deadline                                          a statement (:mod:`dedup.consumer._turn`)
 anything else                          handler    ``SPLIT``: a handler failure
 the server or the connection went      dedup      ``AGAIN`` on a fresh connection, after a
 away (08xxx, 57P01-57P03, 53300,                  backoff, for as long as it takes (an error
@@ -148,6 +151,13 @@ RULES: tuple[Rule, ...] = (
     Rule("serialization failure", _serialization, None, Action.AGAIN),
     Rule("the session was cut while idle", _session_cut, True, Action.SPLIT, counted=None),
     Rule("handler failure", _always, True, Action.SPLIT, counted=None),
+    Rule(
+        "the session was cut while a statement was held",
+        _session_cut,
+        False,
+        Action.AGAIN,
+        fresh_connection=True,
+    ),
     Rule("the server or connection went away", _gone, False, Action.AGAIN, fresh_connection=True),
     Rule("lock wait past lock_timeout", _lock_wait, False, Action.AGAIN),
     Rule("unexpected error", _always, False, Action.STOP, counted=None),

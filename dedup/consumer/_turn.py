@@ -134,9 +134,11 @@ async def _transaction(
         with db_telemetry.db_call(conn, db_telemetry.Call("BEGIN", "BEGIN", schema), traced):
             await conn.execute(queries.begin.sql)
         began = time.monotonic()
+        longest = 0.0  # seconds of the longest handler call
         try:
             found = await _fence_and_claim(conn, s, parts)
-            await _handle(conn, s, parts, found)
+            longest = await _handle(conn, s, parts, found)
+            await _record(conn, s, parts, found)
             with db_telemetry.db_call(conn, db_telemetry.Call("COMMIT", "COMMIT", schema), traced):
                 await commit(conn, parts[0])
         except BaseException as exc:
@@ -147,10 +149,11 @@ async def _transaction(
             # handler or the next statement met then, that is what happened.
             took = time.monotonic() - began
             cut = db.session_timed_out(exc, took, s.idle_timeout)
-            if cut or (isinstance(exc, retry.HandlerFailed) and _closed(conn)):
+            if isinstance(exc, retry.HandlerFailed) and (cut or _closed(conn)):
                 if cut or took >= s.idle_timeout:
-                    part = exc.partition if isinstance(exc, retry.HandlerFailed) else parts[0]
-                    raise retry.HandlerFailed(_session_cut(s), part) from exc
+                    raise retry.HandlerFailed(_session_cut(s), exc.partition) from exc
+            elif cut and _blocked(longest, s):
+                raise retry.HandlerFailed(_session_cut(s), parts[0]) from exc
             raise
         for part, result in zip(parts, found, strict=True):
             if not part.size:
@@ -222,9 +225,10 @@ async def _handle(
     s: Settings,
     parts: Sequence[store.Part],
     found: Sequence[results.BatchResult],
-) -> None:
+) -> float:
     """The handler, on the fresh messages of every part held under the same token at once;
-    then each part's dead letters and events."""
+    the seconds its longest call took."""
+    longest = 0.0
     for token, group in _by_token(parts, found):
         msgs = [m for _, result in group for m in result.applied]
         if not msgs:
@@ -249,7 +253,18 @@ async def _handle(
         except Exception as exc:
             failed = _failed_part(exc, [part for part, _ in group])
             raise _handler_failure(conn, s, exc, failed, time.monotonic() - started) from None
+        longest = max(longest, time.monotonic() - started)
         telemetry.transition("applied", {"namespace": s.namespace, "count": len(msgs)})
+    return longest
+
+
+async def _record(
+    conn: asyncpg.Connection,
+    s: Settings,
+    parts: Sequence[store.Part],
+    found: Sequence[results.BatchResult],
+) -> None:
+    """Each part's dead letters and events, after the handler."""
     for part, result in zip(parts, found, strict=True):
         if not part.size:
             continue  # only moves the offset past records never handed out
@@ -324,15 +339,31 @@ def _handler_failure(
 ) -> Exception:
     """What a handler's exception means for the retry policy.
 
-    The server cut the session for idling: the handler's fault (it held the
-    transaction idle past the timeout).  Dedup's connection lost: an outage,
-    raised as dedup's own.  Anything else: the handler's failure.
+    The server cut the session for idling during a call that outlasted its
+    deadline: the handler's fault (it blocked the event loop with the
+    transaction idle).  During a call within its deadline, or dedup's
+    connection lost: an outage, raised as dedup's own.  Anything else: the
+    handler's failure.
     """
     if db.session_timed_out(exc, took, s.idle_timeout):
-        return retry.HandlerFailed(_session_cut(s), part)
+        return retry.HandlerFailed(_session_cut(s), part) if _blocked(took, s) else exc
     if handler_.lost_connection(conn, exc):
         return exc
     return retry.HandlerFailed(exc, part)
+
+
+def _blocked(took: float, s: Settings) -> bool:
+    """Whether a handler call of ``took`` seconds can be why the server cut the session.
+
+    The server cuts a session idle in its transaction for ``idle_timeout``;
+    ``handler_timeout`` is shorter, and cancels a call that awaits past it.
+    A call that lasted that long blocked the event loop, so nothing could be
+    sent: the cut is the handler's.  After calls that returned in time, the
+    idle time was spent elsewhere: a statement held on its way by the network,
+    or the whole process paused.  That is an outage, and the turn runs again
+    without counting an attempt against the messages.
+    """
+    return took >= s.handler_timeout
 
 
 def _session_cut(s: Settings) -> errors.HandlerError:

@@ -23,13 +23,21 @@ import pytest
 
 import dedup
 from dedup_dev import database
-from tests.chaos import consumer_child, driver, kafka_cluster, report, scenarios, task_child
+from tests.chaos import (
+    consumer_child,
+    driver,
+    kafka_cluster,
+    netsplit,
+    report,
+    scenarios,
+    task_child,
+)
 from tests.chaos.services import DEFAULT_DIR, ChaosServices, ServicesError
 
 collect_ignore = [] if kafka_cluster.names() else ["test_cluster.py"]
 """The tiny matrix (the docs test's smoke run) has no cluster scenario: nothing to collect."""
 if scenarios.matrix() != "full":
-    collect_ignore.append("test_relay_cluster.py")  # make chaos only
+    collect_ignore += ["test_relay_cluster.py", "test_partition_teeth.py"]  # make chaos only
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +108,7 @@ async def chaos_run(
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The figures of this session's runs: a table on the terminal, in a file, in the docs."""
     kafka_cluster.summary(terminalreporter)
+    netsplit.summary(terminalreporter)
     results = report.RESULTS
     if not results:
         return

@@ -30,12 +30,19 @@ Commands on stdin, one a line, arm a failpoint for the next batch:
                    transaction begins (nothing locked; after SIGCONT the turn
                    goes on under the token it had)
 ``slow SECONDS``   the handler works SECONDS, longer than ``max.poll.interval.ms``
+``hold WHERE``     stop the next batch at WHERE until ``release`` comes (the process goes
+                   on: the driver cuts its network meanwhile): ``before_begin``, with a
+                   turn's records taken (nothing sent yet); ``before_commit``, after
+                   the batch's writes; ``in_handler``, after the handler's write, which
+                   then sends one more statement on ``tx.conn``
+``release``        let the held batch go on
 
 Lines on stdout: ``READY <holder>``, ``FAILPOINT <what> <partition> <offset>
-<token>`` right before it strikes, ``HANG <partition> <offset> <token>`` when
-the handler starts to hang, ``STATS <json>`` on a clean exit (SIGTERM); with
-``--log-commits``, ``COMMITTED <partition> <token> <first offset> <next offset>``
-once a batch's COMMIT returned (its ``chaos_batches`` row is acknowledged).
+<token>`` right before it strikes (``hold_<where>`` once a batch is held),
+``HANG <partition> <offset> <token>`` when the handler starts to hang,
+``STATS <json>`` on a clean exit (SIGTERM); with ``--log-commits``,
+``COMMITTED <partition> <token> <first offset> <next offset>`` once a batch's
+COMMIT returned (its ``chaos_batches`` row is acknowledged).
 
 ``CHAOS_BREAK`` builds a deliberately broken consumer, for the suite's teeth:
 
@@ -48,6 +55,10 @@ once a batch's COMMIT returned (its ``chaos_batches`` row is acknowledged).
 ``kafka_offsets`` the offset the consumer goes on from is its own position, as
                   if committed to Kafka: where Postgres' stored offset is behind
                   it (a failover lost commits), it is set forward to it first
+``no_idle_timeout`` the consumer's transactions run without
+                  ``idle_in_transaction_session_timeout`` (set to 0 after each fence):
+                  the server never ends the session of a member cut off mid-transaction,
+                  whose locks stay until the network heals
 
 The batch log, the failpoints and the breaks are hooks at the library's fault
 points (:mod:`dedup._faults`); nothing of the library is patched.
@@ -112,7 +123,7 @@ batches and the log of hung handler calls (committed on their own)."""
 
 HANDLERS = ("plain", "hot-rows", "hang")
 
-BREAKS = ("no_fence", "offset_first", "outside_tx", "kafka_offsets")
+BREAKS = ("no_fence", "offset_first", "outside_tx", "kafka_offsets", "no_idle_timeout")
 
 
 def say(line: str) -> None:
@@ -129,12 +140,28 @@ STRIKES: dict[str, tuple[str, signal.Signals]] = {
 """What the driver may arm: where it strikes, and the signal it sends this process."""
 
 
+HOLDS = ("before_begin", "before_commit", "in_handler")
+"""Where ``hold WHERE`` stops a batch."""
+
+
 class Failpoints:
     """What the driver armed for the next batch."""
 
     def __init__(self) -> None:
         self.armed: str | None = None
         self.slow = 0.0
+        self.hold: str | None = None
+        self._released = asyncio.Event()
+
+    async def held(self, where: str, partition: int, offset: int, token: int) -> bool:
+        """Wait for ``release`` if a hold was armed at ``where``; True if it was."""
+        if self.hold != where:
+            return False
+        self.hold = None
+        self._released.clear()
+        say(f"FAILPOINT hold_{where} {partition} {offset} {token}")
+        await self._released.wait()
+        return True
 
     def strike(self, when: str, partition: int, offset: int, token: int) -> None:
         """Kill or stop this process if what was armed strikes at ``when``."""
@@ -153,6 +180,10 @@ class Failpoints:
         while line := (await reader.readline()).decode().split():
             if line[0] == "slow":
                 self.slow = float(line[1])
+            elif line[0] == "hold" and line[1] in HOLDS:
+                self.hold = line[1]
+            elif line[0] == "release":
+                self._released.set()
             else:
                 self.armed = line[0]
 
@@ -162,8 +193,11 @@ def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -
 
     async def before_begin(*, parts: Any, **_: Any) -> None:
         part = next((p for p in parts if p.size), None)
-        if part is not None and failpoints.armed == "pause_before_begin":
-            first = min(m.offset for m in [*part.msgs, *(d.msg for d in part.dead)])
+        if part is None:
+            return
+        first = min(m.offset for m in [*part.msgs, *(d.msg for d in part.dead)])
+        await failpoints.held("before_begin", part.partition, first, part.fence.token)
+        if failpoints.armed == "pause_before_begin":
             failpoints.strike("before_begin", part.partition, first, part.fence.token)
 
     async def before_commit(
@@ -180,6 +214,7 @@ def install(failpoints: Failpoints, holder: str, *, log_commits: bool = False) -
             first,
             result.next_offset,
         )
+        await failpoints.held("before_commit", every[0].partition, first, fence.token)
         failpoints.strike("before_commit", every[0].partition, first, fence.token)
 
     async def after_commit(
@@ -294,6 +329,16 @@ def offsets_in_kafka() -> None:
     faults.install(faults.Point.BEFORE_FENCE, trust_the_position)
 
 
+def no_idle_timeout() -> None:
+    """``no_idle_timeout``: after each fence (whose statement sets the timeout for its
+    transaction), the transaction's idle-in-transaction timeout is turned off again."""
+
+    async def keep_the_session(*, conn: Any, **_: Any) -> None:
+        await conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+
+    faults.install(faults.Point.AFTER_FENCE, keep_the_session)
+
+
 async def main(args: argparse.Namespace) -> None:
     broken = os.environ.get("CHAOS_BREAK") or None
     if broken not in (None, *BREAKS):
@@ -305,7 +350,9 @@ async def main(args: argparse.Namespace) -> None:
         min_size=1,
         max_size=config_.DEFAULT_CONCURRENCY + 1,  # a lane per partition in flight, one spare
         server_settings={
-            "idle_in_transaction_session_timeout": str(args.idle_timeout_ms),
+            "idle_in_transaction_session_timeout": (
+                "0" if broken == "no_idle_timeout" else str(args.idle_timeout_ms)
+            ),
             "application_name": f"chaos:{args.holder}",
         },
     )
@@ -326,6 +373,8 @@ async def main(args: argparse.Namespace) -> None:
             tx.token,
             args.holder,
         )
+        if await failpoints.held("in_handler", msgs[0].partition, msgs[0].offset, tx.token):
+            await tx.conn.execute("SELECT 1")  # the handler's next statement, after the cut
         if args.handler == "hot-rows":
             # What the README's payment handler does, in offset order: two batches
             # that touch the same accounts in another order deadlock.
@@ -386,6 +435,8 @@ async def main(args: argparse.Namespace) -> None:
         offset_first(pool)
     elif broken == "kafka_offsets":
         offsets_in_kafka()
+    elif broken == "no_idle_timeout":
+        no_idle_timeout()
     listener = asyncio.create_task(failpoints.listen())
     say(f"READY {args.holder}")
     try:

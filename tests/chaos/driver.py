@@ -71,6 +71,8 @@ RUN_LIMIT = {"tiny": 240.0, "short": 240.0, "full": 600.0}
 DRAIN_WITHIN = 120.0
 RECOVERY_WITHIN = 120.0
 SNAPSHOT_EVERY = 1.0
+TASK_TTL = 2.0
+"""Seconds of the task runners' leases (their watchdogs renew every third of it)."""
 OVERLAPPING = frozenset({"join", "leave_term", "leave_kill", "slow"})
 """Storm faults follow each other without waiting for the group to settle."""
 
@@ -196,10 +198,13 @@ class ConsumerRun(Run):
 
     # ---------------------------------------------------------- members --
 
-    async def start_member(self, name: str) -> Child:
+    async def start_member(
+        self, name: str, *, dsn: str | None = None, bootstrap: str | None = None
+    ) -> Child:
+        """Start a consumer child on the run's database and broker (or ``dsn``, ``bootstrap``)."""
         o = self.scenario.options
         args = [
-            *("--dsn", self.ctx.dsn, "--bootstrap-servers", self.bootstrap),
+            *("--dsn", dsn or self.ctx.dsn, "--bootstrap-servers", bootstrap or self.bootstrap),
             *("--topic", self.topic, "--group", self.group, "--holder", name),
             *("--batch-size", str(self.size.batch_size), "--hold", str(o.hold)),
             *("--session-timeout-ms", str(o.session_timeout_ms)),
@@ -215,9 +220,16 @@ class ConsumerRun(Run):
 
     async def start_slot(self, slot: int) -> Child:
         self.generation[slot] += 1
-        child = await self.start_member(f"c{slot}.{self.generation[slot]}")
+        child = await self.start_member(
+            f"c{slot}.{self.generation[slot]}", **await self.addresses(slot)
+        )
         self.slots[slot] = child
         return child
+
+    async def addresses(self, slot: int) -> dict[str, str]:
+        """Where slot ``slot``'s members reach Postgres and Kafka (``dsn``, ``bootstrap``):
+        the run's own (a subclass's proxies, :mod:`tests.chaos.netsplit`)."""
+        return {}
 
     async def owners(self) -> dict[int, tuple[str, int, int | None]]:
         """partition -> (holder, token, next_offset) as stored."""
@@ -514,12 +526,7 @@ class ConsumerRun(Run):
         self.result.recoveries.append(took)
         self.note(f"{child.name}'s partitions {sorted(affected)} taken over in {took:.1f}s")
         await asyncio.sleep(f.wait)
-        marks = await self.q(
-            lambda p: p.fetchrow(
-                "SELECT (SELECT coalesce(max(id), 0) FROM dedup.events) AS event,"
-                " (SELECT coalesce(max(id), 0) FROM chaos_batches) AS batch"
-            )
-        )
+        marks = await self.marks()
         child.signal(signal.SIGCONT)
         child.paused = False
         self.note(f"{child.name} continued")
@@ -527,25 +534,39 @@ class ConsumerRun(Run):
             return
 
         async def settled() -> bool:
-            # Its batch in flight is refused (the fence) or commits (a broken build).
-            return bool(
-                await self.q(
-                    lambda p: p.fetchval(
-                        "SELECT EXISTS (SELECT FROM dedup.events WHERE id > $1"
-                        "               AND kind = 'stale_rejected' AND holder = $3)"
-                        " OR EXISTS (SELECT FROM chaos_batches WHERE id > $2"
-                        "            AND holder = $3 AND token = $4)",
-                        marks["event"],
-                        marks["batch"],
-                        child.name,
-                        token,
-                    )
-                )
-            )
+            return await self.settled(child.name, token, marks)
 
         with contextlib.suppress(AssertionError):
             await helpers.wait_for(settled, within=30, what=f"{child.name}'s batch to settle")
         self.note(f"{child.name}'s batch in flight settled")
+
+    async def marks(self) -> Any:
+        """The newest event and batch ids (``event``, ``batch``): what a member does from now
+        on comes after them."""
+        return await self.q(
+            lambda p: p.fetchrow(
+                "SELECT (SELECT coalesce(max(id), 0) FROM dedup.events) AS event,"
+                " (SELECT coalesce(max(id), 0) FROM chaos_batches) AS batch"
+            )
+        )
+
+    async def settled(self, holder: str, token: int, marks: Any) -> bool:
+        """Whether ``holder``'s batch under ``token`` in flight since ``marks`` was refused
+        (the fence) or committed (a broken build)."""
+        return bool(
+            await self.q(
+                lambda p: p.fetchval(
+                    "SELECT EXISTS (SELECT FROM dedup.events WHERE id > $1"
+                    "               AND kind = 'stale_rejected' AND holder = $3)"
+                    " OR EXISTS (SELECT FROM chaos_batches WHERE id > $2"
+                    "            AND holder = $3 AND token = $4)",
+                    marks["event"],
+                    marks["batch"],
+                    holder,
+                    token,
+                )
+            )
+        )
 
     async def _terminate_backend(self, f: scenarios.Fault) -> None:
         async def in_transaction() -> list[Any]:
@@ -759,14 +780,31 @@ class TaskRunRun(Run):
         self.rng = scenarios.rng_for(scenario.name, seed, "runners")
         self.work = [self.rng.uniform(0.5, 1.5) for _ in self.keys]
 
-    async def runner(self, key: int, name: str, *, force: bool = False, hold: float = 0.0) -> Child:
+    async def runner(
+        self,
+        key: int,
+        name: str,
+        *,
+        force: bool = False,
+        hold: float = 0.0,
+        dsn: str | None = None,
+        work: float | None = None,
+        held: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """A runner of key ``key`` on the run's database (or ``dsn``), its job working the
+        key's seconds (or ``work``); ``held``: its write waits for ``release``."""
+        work = self.work[key] if work is None else work
         args = [
-            *("--dsn", self.ctx.dsn, "--task", self.task, "--key", self.keys[key]),
-            *("--holder", name, "--ttl", "2", "--work", f"{self.work[key]:.2f}"),
+            *("--dsn", dsn or self.ctx.dsn, "--task", self.task, "--key", self.keys[key]),
+            *("--holder", name, "--ttl", str(TASK_TTL), "--work", f"{work:.2f}"),
             *("--hold", str(hold)),
             *(["--force"] if force else []),
+            *(["--held"] if held else []),
         ]
-        child = await Child.start("tests.chaos.task_child", args, name=name, logs=self.ctx.logs)
+        child = await Child.start(
+            "tests.chaos.task_child", args, name=name, logs=self.ctx.logs, env=env
+        )
         self.children.append(child)
         return child
 

@@ -418,21 +418,12 @@ def table(results: list[report.Result]) -> str:
 
 def summary(terminalreporter: Any) -> None:
     """The cluster runs' table: on the terminal, next to the chaos report, in the docs."""
-    if not RESULTS:
-        return
-    results: list[report.Result] = list(RESULTS)
-    matrix = scenarios.matrix()
-    seconds = sum(r.seconds for r in results)
-    terminalreporter.section("chaos figures: three-broker Kafka")
-    for r in results:
-        terminalreporter.write_line(r.line())
-    text = report.document(results, matrix, seconds, render=table)
-    terminalreporter.write_line(text)
-    path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_DIR / "results.md")
-    path = path.with_name(f"{path.stem}-kafka-cluster.md")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n", encoding="utf-8")
-    terminalreporter.write_line(f"written to {path}")
-    if os.environ.get("CHAOS_UPDATE_DOCS") == "1":
-        report.replace_block(TABLE_START, TABLE_END, text)
-        terminalreporter.write_line(f"and to {report.DOCS}")
+    report.summarize(
+        terminalreporter,
+        list(RESULTS),
+        title="three-broker Kafka",
+        suffix="kafka-cluster",
+        render=table,
+        start=TABLE_START,
+        end=TABLE_END,
+    )

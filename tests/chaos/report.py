@@ -9,7 +9,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from tests.chaos import scenarios
 from tests.chaos.services import DEFAULT_DIR, ROOT
 
 DOCS = ROOT / "docs" / "reliability.md"
@@ -167,3 +169,34 @@ def replace_block(start: str, end: str, body: str) -> None:
         raise ValueError(f"{DOCS} has no {start} ... {end} block")
     block = f"{start}\n{body}\n{end}"
     DOCS.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
+
+
+def summarize(
+    terminalreporter: Any,
+    results: list[Result],
+    *,
+    title: str,
+    suffix: str,
+    render: Callable[[list[Result]], str],
+    start: str,
+    end: str,
+) -> None:
+    """A family's table (``render``): on the terminal under ``title``, in the file next to
+    the chaos report named with ``suffix``, and, with ``CHAOS_UPDATE_DOCS=1``, between the
+    markers ``start`` and ``end`` of docs/reliability.md."""
+    if not results:
+        return
+    seconds = sum(r.seconds for r in results)
+    terminalreporter.section(f"chaos figures: {title}")
+    for r in results:
+        terminalreporter.write_line(r.line())
+    text = document(results, scenarios.matrix(), seconds, render=render)
+    terminalreporter.write_line(text)
+    path = Path(os.environ.get("CHAOS_REPORT") or DEFAULT_DIR / "results.md")
+    path = path.with_name(f"{path.stem}-{suffix}.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n", encoding="utf-8")
+    terminalreporter.write_line(f"written to {path}")
+    if os.environ.get("CHAOS_UPDATE_DOCS") == "1":
+        replace_block(start, end, text)
+        terminalreporter.write_line(f"and to {DOCS}")

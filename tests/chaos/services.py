@@ -8,6 +8,12 @@ test runs pytest again) uses the enclosing session's pair and leaves it running.
 
 Postgres is configured with ``track_commit_timestamp = on``: the oracle orders
 each write against the token history by commit time.
+
+The broker has :data:`KAFKA_SLOTS` extra listeners (``CUT0``...), each advertising
+the port of a proxy (:mod:`dedup_dev.proxy`): a client bootstrapped through the
+proxy of slot k gets metadata, coordinator and leader addresses that all lead
+back through it, so the network partitions of :mod:`tests.chaos.netsplit` cut it
+off from Kafka there (``DEDUP_KAFKA_EXTRA_LISTENERS``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,31 @@ would take ours while a fault has our service down (then ours could not come bac
 on its port)."""
 STANDBY_PORT = 25434 + PORT_OFFSET
 """The streaming standby of the failover scenarios (:mod:`tests.chaos.pg_failover`)."""
+KAFKA_SLOTS = 4
+"""Extra listeners of the chaos broker, one per process that can be cut off from Kafka
+(:mod:`tests.chaos.netsplit`; the full matrix runs three consumers)."""
+KAFKA_LISTENER_BASE = 29120
+"""Port of the broker's listener ``CUT0`` (``CUT<k>``: this + k), plus ``CHAOS_PORT_OFFSET``."""
+KAFKA_PROXY_BASE = 29130
+"""Port the listener ``CUT0`` advertises (slot k's proxy listens there: this + k), plus the
+offset."""
+
+
+def kafka_listener_port(slot: int) -> int:
+    """Where the chaos broker's listener of proxy slot ``slot`` listens."""
+    return KAFKA_LISTENER_BASE + slot + PORT_OFFSET
+
+
+def kafka_proxy_port(slot: int) -> int:
+    """Where slot ``slot``'s proxy listens: the address its broker listener advertises."""
+    return KAFKA_PROXY_BASE + slot + PORT_OFFSET
+
+
+def kafka_extra_listeners() -> str:
+    """``DEDUP_KAFKA_EXTRA_LISTENERS`` of the chaos broker: ``CUT<k>:PORT:ADVERTISED_PORT``."""
+    return " ".join(
+        f"CUT{k}:{kafka_listener_port(k)}:{kafka_proxy_port(k)}" for k in range(KAFKA_SLOTS)
+    )
 
 
 class ServicesError(Exception):
@@ -58,6 +89,12 @@ def script_env(directory: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "DEDUP_DSN")}
     env["DEDUP_SERVICES_DIR"] = str(directory)
     return env
+
+
+def chaos_env(directory: Path) -> dict[str, str]:
+    """:func:`script_env`, and the broker's extra listeners for the proxies of
+    :mod:`tests.chaos.netsplit` (a single broker only: the cluster has none)."""
+    return {**script_env(directory), "DEDUP_KAFKA_EXTRA_LISTENERS": kafka_extra_listeners()}
 
 
 def pid_alive(pid: int) -> bool:
@@ -99,9 +136,10 @@ class ChaosServices:
             if not _service_alive(service):
                 service.mkdir(parents=True, exist_ok=True)
                 (directory / name).write_text(f"{port}\n")
+        _restart_without_listeners(directory)
         run = subprocess.run(
             [SCRIPTS / "up"],
-            env=script_env(directory),
+            env=chaos_env(directory),
             capture_output=True,
             text=True,
             check=False,
@@ -124,7 +162,7 @@ class ChaosServices:
         if not self.owner:
             return
         subprocess.run(
-            [SCRIPTS / "down"], env=script_env(self.directory), capture_output=True, check=False
+            [SCRIPTS / "down"], env=chaos_env(self.directory), capture_output=True, check=False
         )
         (self.directory / "owner").unlink(missing_ok=True)
 
@@ -163,7 +201,7 @@ class ChaosServices:
 
     def _script_sync(self, name: str, *args: str) -> None:
         argv = [SCRIPTS / name, *args]
-        _run(argv, f"compose/local/{name} {' '.join(args)}", env=script_env(self.directory))
+        _run(argv, f"compose/local/{name} {' '.join(args)}", env=chaos_env(self.directory))
 
     # -------------------------------------------------------------- faults --
 
@@ -171,7 +209,7 @@ class ChaosServices:
         proc = await asyncio.create_subprocess_exec(
             str(SCRIPTS / name),
             *args,
-            env=script_env(self.directory),
+            env=chaos_env(self.directory),
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -250,6 +288,17 @@ def pg_bin() -> Path:
     if not found:
         raise ServicesError("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin)")
     return found[-1]
+
+
+def _restart_without_listeners(directory: Path) -> None:
+    """Stop a running chaos broker started without the proxies' listeners (by an older
+    checkout): ``up`` leaves a running broker as it is, so it would keep lacking them."""
+    properties = directory / "kafka" / "server.properties"
+    if not _service_alive(directory / "kafka") or not properties.exists():
+        return
+    if f"CUT0://127.0.0.1:{kafka_listener_port(0)}" in properties.read_text():
+        return
+    _run([SCRIPTS / "down", "kafka"], "compose/local/down kafka", env=chaos_env(directory))
 
 
 def _service_alive(service: Path) -> bool:

@@ -1,7 +1,7 @@
 """A task runner of the chaos suite, in its own process: fired again until its task is done.
 
     python -m tests.chaos.task_child --dsn DSN --task T --key K --holder H \
-        [--ttl SECONDS] [--work SECONDS] [--hold SECONDS] [--force]
+        [--ttl SECONDS] [--work SECONDS] [--hold SECONDS] [--held] [--force]
 
 Like a scheduler that fires ``TaskRunner.run`` for one (task, business key)
 and fires it again while the task runs elsewhere or its run was lost, until
@@ -10,10 +10,15 @@ the task has succeeded (``--force``: until this runner's own forced run has).
 The job works ``--work`` seconds, then in one fenced transaction writes its
 ``chaos_task_effects`` row (business key, token, holder) and marks the task
 succeeded (``TaskRun.complete``); ``--hold`` keeps that transaction open a while
-after the write, so the driver can pause the runner with the write in flight.
+after the write, so the driver can pause the runner with the write in flight;
+``--held`` keeps it open until ``release`` comes on stdin (the driver cuts the
+runner's network meanwhile).  ``CHAOS_BREAK=no_fence``: the job's write commits
+in a transaction of its own, unfenced, and marks nothing (the runner's own
+fenced finish then refuses the run).
 
 Lines on stdout: ``READY <holder>``, ``WORKING <token>`` when the job starts,
-``WRITING <token>`` once its row is written (not committed), ``OUTCOME <json>``
+``WRITING <token>`` once its row is written (not committed), ``LOST <token>`` when
+the runner tells it the lease is lost (``on_lease_lost``), ``OUTCOME <json>``
 after every run.
 """
 
@@ -22,7 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from typing import Any
 
 import orjson
 
@@ -42,6 +49,7 @@ CREATE TABLE IF NOT EXISTS chaos_task_effects (
 """The job's business effect: one row per run that committed (no unique key, on purpose)."""
 
 REFIRE_EVERY = 0.25
+BREAKS = ("no_fence",)
 
 
 def say(line: str) -> None:
@@ -49,7 +57,20 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+async def release_on_stdin(released: asyncio.Event) -> None:
+    """Set ``released`` when ``release`` comes on stdin."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().split():
+        if line[0] == "release":
+            released.set()
+
+
 async def main(args: argparse.Namespace) -> int:
+    broken = os.environ.get("CHAOS_BREAK") or None
+    if broken not in (None, *BREAKS):
+        raise SystemExit(f"CHAOS_BREAK={broken!r}: expected one of {', '.join(BREAKS)}")
     pool = await db.create_pool(
         args.dsn,
         min_size=1,
@@ -60,26 +81,43 @@ async def main(args: argparse.Namespace) -> int:
         },
     )
 
+    released = asyncio.Event()
+    if args.held:
+        listener = asyncio.create_task(release_on_stdin(released))
+
+    async def write(run: dedup.TaskRun, conn: Any) -> None:
+        await conn.execute(
+            "INSERT INTO chaos_task_effects (task, business_key, token, holder, forced)"
+            " VALUES ($1, $2, $3, $4, $5)",
+            run.task,
+            run.business_key,
+            run.token,
+            run.holder,
+            run.forced,
+        )
+        say(f"WRITING {run.token}")
+        if args.hold:
+            await asyncio.sleep(args.hold)
+        if args.held:
+            await released.wait()
+
     async def job(run: dedup.TaskRun) -> dict[str, object]:
         say(f"WORKING {run.token}")
         await asyncio.sleep(args.work)  # the job's work: others race it meanwhile
+        if broken == "no_fence":
+            # The classic mistake: the job's write commits on its own, unfenced.
+            async with pool.acquire() as conn, conn.transaction():
+                await write(run, conn)
+            return {"holder": run.holder, "token": run.token}
         async with run.transaction() as conn:
-            await conn.execute(
-                "INSERT INTO chaos_task_effects (task, business_key, token, holder, forced)"
-                " VALUES ($1, $2, $3, $4, $5)",
-                run.task,
-                run.business_key,
-                run.token,
-                run.holder,
-                run.forced,
-            )
-            say(f"WRITING {run.token}")
-            if args.hold:
-                await asyncio.sleep(args.hold)
+            await write(run, conn)
             await run.complete(conn, {"holder": run.holder, "token": run.token})
         return {"holder": run.holder, "token": run.token}
 
-    runner = dedup.TaskRunner(pool=pool, holder=args.holder, max_attempts=50)
+    def lost(run: dedup.TaskRun, error: dedup.StaleTokenError) -> None:
+        say(f"LOST {run.token}")
+
+    runner = dedup.TaskRunner(pool=pool, holder=args.holder, max_attempts=50, on_lease_lost=lost)
     say(f"READY {args.holder}")
     try:
         while True:
@@ -109,6 +147,8 @@ async def main(args: argparse.Namespace) -> int:
                 return 0
             await asyncio.sleep(REFIRE_EVERY)
     finally:
+        if args.held:
+            listener.cancel()
         await pool.close()
 
 
@@ -123,6 +163,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold", type=float, default=0.0)
     p.add_argument("--idle-timeout-ms", type=int, default=4000)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--held", action="store_true")
     return p.parse_args(argv)
 
 

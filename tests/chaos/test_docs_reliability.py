@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import kafka_cluster, report, scenarios
+from tests.chaos import kafka_cluster, netsplit, report, scenarios
 from tests.chaos.services import ROOT, ChaosServices
 
 pytestmark = pytest.mark.chaos
@@ -107,3 +107,8 @@ def test_the_page_shows_a_full_matrix_cluster_table_without_loss() -> None:
     up = (ROOT / "compose" / "local" / "up").read_text(encoding="utf-8")
     for setting in ("DEDUP_KAFKA_BROKERS", "min.insync.replicas=2", "replication.factor=3"):
         assert setting in up and setting in text, setting
+
+
+def test_the_page_shows_a_full_matrix_partition_table_without_loss() -> None:
+    table = check_table(netsplit.TABLE_START, netsplit.TABLE_END, list(netsplit.SCENARIOS))
+    assert all(row["heal → progress, worst"].endswith(" s") for row in table), table

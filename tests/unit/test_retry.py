@@ -33,6 +33,8 @@ def pg(cls: type[asyncpg.PostgresError], message: str = "x") -> asyncpg.Postgres
         (pg(asyncpg.LockNotAvailableError), True, Action.SPLIT, None),
         (pg(asyncpg.LockNotAvailableError), False, Action.AGAIN, "retries"),
         (pg(asyncpg.IdleInTransactionSessionTimeoutError), True, Action.SPLIT, None),
+        # Cut while the handler was within its deadline: the network held a statement.
+        (pg(asyncpg.IdleInTransactionSessionTimeoutError), False, Action.AGAIN, "retries"),
         # A handler's own network error or timeout is its failure; dedup's are outages.
         (OSError("connection refused"), True, Action.SPLIT, None),
         (TimeoutError(), True, Action.SPLIT, None),
@@ -68,6 +70,8 @@ def test_each_error_gets_the_action_of_its_row(
 
 def test_only_a_lost_connection_asks_for_a_fresh_one() -> None:
     assert retry.decide(OSError(), in_handler=False).fresh_connection
+    cut = pg(asyncpg.IdleInTransactionSessionTimeoutError)
+    assert retry.decide(cut, in_handler=False).fresh_connection
     assert not retry.decide(pg(asyncpg.DeadlockDetectedError), in_handler=False).fresh_connection
     assert not retry.decide(ValueError(), in_handler=True).fresh_connection
 
