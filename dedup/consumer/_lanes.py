@@ -263,13 +263,15 @@ class Lane:
 
     def add(self, partition: Partition) -> None:
         partition.lane = self
-        self.partitions[partition.tp] = partition
+        # A new map, never one changed in place: ``dedup.sync.Consumer`` adds and removes
+        # from its polling thread while the lane's thread reads the map it had.
+        self.partitions = {**self.partitions, partition.tp: partition}
         if partition.records:
             self.wake()
 
     def remove(self, partition: Partition) -> None:
         if self.partitions.get(partition.tp) is partition:
-            del self.partitions[partition.tp]
+            self.partitions = {tp: p for tp, p in self.partitions.items() if p is not partition}
 
     async def _run(self) -> None:
         try:
@@ -427,7 +429,8 @@ class Lane:
     async def _again(self, rule: retry.Rule, exc: BaseException, tries: int) -> None:
         """Count a transient failure and wait before the turn runs again."""
         self._stats["retries"] += 1
-        attributes = next(iter(self.partitions.values())).counted if self.partitions else {}
+        first = next(iter(self.partitions.values()), None)
+        attributes = first.counted if first is not None else {}
         telemetry.retries.add(1, attributes)
         if rule.counted == "deadlocks":
             self._stats["deadlocks"] += 1

@@ -1,43 +1,56 @@
 """``dedup.sync.Consumer``: the idempotent consumer without asyncio, on confluent-kafka and
 psycopg.
 
-One thread, one loop a newcomer can hold in their head:
+The async consumer's model (:mod:`dedup.consumer._consumer`), with threads for tasks:
 
-1. **poll**: ``consume()`` asks confluent-kafka for up to ``batch_size``
-   records (waiting at most :data:`FETCH_WAIT` seconds);
-2. **one transaction** for what came, on the consumer's one psycopg
-   connection: the consumer's turn (:mod:`dedup.consumer._turn`), the same
-   statements as :class:`dedup.IdempotentConsumer`'s: ``BEGIN``; one
-   ``fence_and_claim`` for every partition of the batch (each partition's
+1. **one thread polls**: ``consume()`` asks confluent-kafka for up to
+   ``batch_size`` records (waiting at most :data:`FETCH_WAIT` seconds) and
+   queues each partition's records on it; while the partitions hold
+   :data:`QUEUED_TURNS` turns' worth for every lane, it waits for a lane to
+   take some before it polls again;
+2. **``concurrency`` lanes**, each a thread with a psycopg connection of its
+   own and the partitions placed on it (:func:`dedup.consumer._lanes.place`),
+   each the async consumer's lane (:class:`dedup.consumer._lanes.Lane`): a
+   **turn** takes up to ``batch_size`` records of its partitions and applies
+   them in **one transaction** (:mod:`dedup.consumer._turn`, the same
+   statements as :class:`dedup.IdempotentConsumer`'s): ``BEGIN``; one
+   ``fence_and_claim`` for every partition of the turn (each partition's
    offset moves in Postgres under its fencing token, the keys are claimed);
    the handler on the fresh messages, on ``tx.conn``; dead letters and
-   events; the session reset and ``COMMIT``;
+   events; the session reset and ``COMMIT``.  A partition's records are
+   applied in offset order, by its one lane; the lanes run side by side;
 3. **a failure** is read by the consumer's table (:mod:`dedup.consumer._retry`),
-   applied by the consumer's lane (:class:`dedup.consumer._lanes.Lane`, one
-   here, without a task of its own): a refused fence drops its partition's
-   records until Kafka assigns it again, a failing handler splits the batch
-   until its message stands alone, which gets ``max_attempts`` and is then
+   applied by the lane: a refused fence drops its partition's records until
+   Kafka assigns it again, a failing handler splits the turn until its
+   message stands alone, which gets ``max_attempts`` and is then
    dead-lettered, a lost connection runs the transaction again on a new one;
 4. **Kafka** hears the offsets Postgres holds every ``kafka_commit_interval``
    seconds (an asynchronous commit, for lag tools; Postgres is the authority).
 
-On an assignment (confluent-kafka's ``on_assign``, called inside ``consume()``,
-so never during a transaction) the partitions are taken in Postgres with new
-fencing tokens (``partition_acquired`` events) and assigned from the offsets
-stored there (``incremental_assign`` under a cooperative assignor); a revoke
-commits their offsets to Kafka and drops them.  The rules are the async
-consumer's own code, run to their end on the blocking connection
+On an assignment (confluent-kafka's ``on_assign``, called inside ``consume()``
+on the polling thread) the partitions are taken in Postgres with new fencing
+tokens (``partition_acquired`` events), on the polling thread's connection,
+placed on lanes, and assigned from the offsets stored there
+(``incremental_assign`` under a cooperative assignor); a revoke waits for the
+turns of its lanes in flight (each turn holds its lane's lock), commits the
+offsets to Kafka and drops them.  Elsewhere the polling thread adds and drops
+partitions without waiting for a turn: a lane's map of its partitions is
+replaced, never changed in place, and a turn in flight with a partition
+dropped meanwhile finds it closed, or its fence refused.  The rules are the async consumer's own
+code, run to their end on the blocking connections
 (:func:`dedup.sync._drive.run`): nothing here decides what a failure means.
 
-``stop()``, SIGTERM or SIGINT set a flag; the loop ends after the transaction
-in flight (a blocking handler can't be cut), commits the offsets to Kafka and
-leaves the group.  A second signal raises ``KeyboardInterrupt`` at once: the
-transaction in flight rolls back.
+``stop()``, SIGTERM or SIGINT set a flag; the lanes end after their
+transactions in flight (a blocking handler can't be cut), then the offsets
+are committed to Kafka and the group left.  A second signal raises
+``KeyboardInterrupt`` at once: the transactions in flight roll back as the
+process ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -45,7 +58,7 @@ import signal
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiokafka.structs import TopicPartition
@@ -53,6 +66,7 @@ from aiokafka.structs import TopicPartition
 from dedup import _config as config_
 from dedup import _errors as errors
 from dedup import _leases as leases
+from dedup import _limits as limits
 from dedup import _message as message_
 from dedup import _store as store
 from dedup import _telemetry as telemetry
@@ -77,7 +91,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("dedup.consumer")
 
 FETCH_WAIT = 0.25
-"""Most seconds one ``consume()`` waits for records; a stop is seen within it."""
+"""Most seconds one ``consume()`` waits for records (or the poll for a lane to take some);
+a stop is seen within it."""
+QUEUED_TURNS = 2
+"""Turns' worth of records (``batch_size`` each) queued for every lane before the poll waits:
+enough that a lane finds its next turn waiting, few enough to bound the memory."""
 KAFKA_TIMEOUT = 10.0
 """Seconds to wait for Kafka's answer when starting (the topics' metadata) and for the
 offsets committed at a revoke or a stop."""
@@ -111,11 +129,17 @@ class Consumer:
     defaults ``isolation.level`` to ``read_committed`` and
     ``auto.offset.reset`` to ``earliest``, and ``client.id`` to the holder.
 
-    Postgres: ``dsn=`` (dedup opens one connection, with ``connect_options``
-    for ``psycopg.connect``, and opens a new one when it is lost) or
-    ``connection=``, a ``psycopg.Connection`` outside a transaction that the
-    consumer then owns (it turns autocommit on and sends its own ``BEGIN``;
-    once lost, ``run()`` raises).  The other settings are
+    ``concurrency`` lanes apply the partitions side by side, each a thread
+    with a connection of its own; a partition is applied by one lane at a
+    time, in offset order.  By default :class:`dedup.IdempotentConsumer`'s:
+    4 for a batch handler or ``batch_size=1``, else 1.
+
+    Postgres: ``dsn=`` (dedup opens a connection per lane and one for taking
+    partitions, with ``connect_options`` for ``psycopg.connect``, and opens
+    a new one when one is lost) or ``connection=``, a ``psycopg.Connection``
+    outside a transaction that the consumer then owns, for its one lane
+    (it turns autocommit on and sends its own ``BEGIN``; once lost,
+    ``run()`` raises).  The other settings are
     :class:`dedup.IdempotentConsumer`'s, by the same names.
     """
 
@@ -133,6 +157,7 @@ class Consumer:
         schema: str = sql.DEFAULT_SCHEMA,
         batch_size: int = config_.DEFAULT_BATCH_SIZE,
         batch: bool | None = None,
+        concurrency: int | None = None,
         holder: str | None = None,
         on_missing_key: str = message_.OnMissingKey.DEAD_LETTER,
         on_conflict: str = message_.OnConflict.DEAD_LETTER,
@@ -165,6 +190,8 @@ class Consumer:
         self.batch_handler = config_.is_batch_handler(handler) if batch is None else batch
         """True when ``handler`` takes a batch of messages."""
         self.handler = handler
+        self.concurrency = _concurrency(concurrency, connection, self.batch_handler, batch_size)
+        """How many lanes apply the partitions side by side."""
         self.store = store.Store(  # validates the schema name
             schema=schema, namespace=self.namespace, on_conflict=conflict
         )
@@ -174,10 +201,15 @@ class Consumer:
         self._commit_interval = float(kafka_commit_interval)
         self._signals = install_signal_handlers
         self._db = _Connection(dsn, connection, connect_options)
+        """The polling thread's connection (taking partitions, the owner look); with
+        ``connection=``, lane 0's."""
+        self._dsn, self._connect_options = dsn, connect_options
         self._secrets = frozenset(conninfo.passwords(dsn) | _secrets(self._kafka_config))
         self._stats = dict.fromkeys(consumer_.STAT_NAMES, 0)
         self._owned: dict[TopicPartition, lanes.Partition] = {}
-        self._lane: lanes.Lane | None = None
+        self._lanes: list[_Lane] = []
+        self._placed: dict[TopicPartition, int] = {}  # each partition's last lane
+        self._room = threading.Event()  # a lane took records: the poll may go on
         self._settings: turn.Settings | None = None
         self._kafka: Any = None
         self._stop = threading.Event()
@@ -189,13 +221,18 @@ class Consumer:
 
     @property
     def stats(self) -> Mapping[str, int]:
-        """Counters since start, :attr:`dedup.IdempotentConsumer.stats`'s."""
-        return types.MappingProxyType(self._stats)
+        """Counters since start, :attr:`dedup.IdempotentConsumer.stats`'s (all lanes')."""
+        total = dict(self._stats)
+        for lane in list(self._lanes):
+            for name, n in list(lane.counts.items()):
+                total[name] += n
+        return types.MappingProxyType(total)
 
     @property
     def assignment(self) -> set[tuple[str, int]]:
         """The partitions this consumer holds a current token for."""
-        return {(tp.topic, tp.partition) for tp in list(self._owned)}
+        owned = list(self._owned.values())
+        return {(p.tp.topic, p.tp.partition) for p in owned if p.state is lanes.State.OWNED}
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -270,7 +307,12 @@ class Consumer:
             sleep=self._sleep,
             message=_as_it_is,
         )
-        self._lane = lanes.Lane(0, self._db, self._settings, self._stats, _nothing)
+        self._lanes = [
+            _Lane(i, self, self._db if self._db.given else self._lane_connection())
+            for i in range(self.concurrency)
+        ]
+        for lane in self._lanes:
+            lane.start()
         try:
             self._kafka = ck.Consumer(dict(self._kafka_config))
         except ck.KafkaException as exc:
@@ -300,9 +342,16 @@ class Consumer:
                 f"topics: {', '.join(map(repr, missing))} not found on {servers}; create them first"
             )
 
+    def _lane_connection(self) -> _Connection:
+        return _Connection(self._dsn, None, self._connect_options)
+
     def _shutdown(self) -> None:
         self._stop.set()
         telemetry.unwatch(self._gauges)
+        for lane in self._lanes:
+            lane.stop()
+        for lane in self._lanes:
+            lane.join()  # after its turn in flight
         kafka, self._kafka = self._kafka, None
         if kafka is not None:
             ck = _confluent()
@@ -313,6 +362,8 @@ class Consumer:
                 log.warning("leaving the Kafka group failed (%r); the broker will time us out", exc)
         for p in list(self._owned.values()):
             self._drop(p)
+        for lane in self._lanes:
+            lane.db.close()
         self._db.close()
         log.info("consumer %s stopped: %s", self.holder, dict(self._stats))
 
@@ -322,18 +373,26 @@ class Consumer:
         kafka = self._kafka
         ck = _confluent()
         while not self._stop.is_set():
-            self._feed(ck, kafka.consume(num_messages=self._batch_size, timeout=FETCH_WAIT))
+            if self._backed_up():
+                self._room.wait(FETCH_WAIT)
+            else:
+                self._feed(ck, kafka.consume(num_messages=self._batch_size, timeout=FETCH_WAIT))
             if self._failure is not None:
-                raise self._failure
-            try:
-                self._apply()
-            except asyncio.CancelledError:
-                break  # a stop during a backoff: the turn's records go back, unapplied
+                break
             self._settle(ck)
             self._follow_positions(ck)
             self._look_at_owners()
             if time.monotonic() - self._last_kafka_commit >= self._commit_interval:
                 self._commit_kafka(kafka, self._owned.values())
+        if self._failure is not None:
+            raise self._failure
+
+    def _backed_up(self) -> bool:
+        """True while the partitions hold :data:`QUEUED_TURNS` turns' worth for every lane
+        (then the poll waits for a lane to take some)."""
+        self._room.clear()
+        queued = sum(len(p.records) for p in list(self._owned.values()))
+        return queued >= QUEUED_TURNS * self._batch_size * self.concurrency
 
     def _feed(self, ck: Any, messages: list[Any]) -> None:
         """Hand each partition its records, as messages (the lane takes them as they are)."""
@@ -372,16 +431,9 @@ class Consumer:
             raise errors.DedupError(f"Kafka: {error.str()}")
         log.warning("kafka: %s", error.str())
 
-    def _apply(self) -> None:
-        """Turns until the partitions hold nothing: each one transaction."""
-        lane = self._lane
-        assert lane is not None  # noqa: S101 - started
-        while drive.run(lane.turn(), _WHAT):
-            pass
-
     async def _sleep(self, seconds: float) -> None:
-        """A lane's backoff, blocking; a stop meanwhile cancels the turn (its records are given
-        back, as at the async consumer's shutdown)."""
+        """A lane's backoff, blocking its thread; a stop meanwhile cancels the turn (its records
+        are given back, as at the async consumer's shutdown)."""
         if self._stop.wait(seconds):
             raise asyncio.CancelledError
 
@@ -398,11 +450,13 @@ class Consumer:
             ):
                 taken = self._take(wanted)
             starts = []
-            for topic, part in wanted:
-                token, stored = taken[(topic, part)]
-                self._own(TopicPartition(topic, part), token, stored)
+            tps = [TopicPartition(topic, part) for topic, part in wanted]
+            placed = lanes.place(tps, self._lanes, self._placed)
+            for tp in tps:
+                token, stored = taken[(tp.topic, tp.partition)]
+                self._own(tp, token, stored, placed[tp])
                 at = ck.OFFSET_INVALID if stored is None else stored  # None: Kafka's, or the reset
-                starts.append(ck.TopicPartition(topic, part, at))
+                starts.append(ck.TopicPartition(tp.topic, tp.partition, at))
             if _cooperative(self._kafka_config):
                 kafka.incremental_assign(starts)
             else:
@@ -416,22 +470,25 @@ class Consumer:
     def _on_revoke(self, kafka: Any, revoked: list[Any]) -> None:
         """confluent-kafka's ``on_revoke``: tell Kafka where Postgres stands, drop them.
 
-        No transaction is in flight: the callbacks run inside ``consume()``.
+        It waits for the turns in flight on their lanes: what Kafka hears is what they left.
         """
         try:
             gone = self._held(revoked)
             ck = _confluent()
-            try:
-                self._commit_kafka(kafka, gone, wait=True)
-            except ck.KafkaException as exc:
-                log.info("kafka offset commit at the revoke skipped: %r", exc)
-            self._give_up(gone)
+            with self._between_turns(p.lane for p in gone):
+                try:
+                    self._commit_kafka(kafka, gone, wait=True)
+                except ck.KafkaException as exc:
+                    log.info("kafka offset commit at the revoke skipped: %r", exc)
+                self._give_up(gone)
         except BaseException as exc:
             self._failed(exc)
 
     def _on_lost(self, kafka: Any, lost: list[Any]) -> None:
         """confluent-kafka's ``on_lost``: the group went on without us; drop them."""
-        self._give_up(self._held(lost))
+        gone = self._held(lost)
+        with self._between_turns(p.lane for p in gone):
+            self._give_up(gone)
 
     def _held(self, partitions: list[Any]) -> list[lanes.Partition]:
         found = (self._owned.get(TopicPartition(cp.topic, cp.partition)) for cp in partitions)
@@ -447,29 +504,54 @@ class Consumer:
         if gone:
             log.info("consumer %s gave up %s", self.holder, [str(p.tp) for p in gone])
 
+    def _took(self, _: TopicPartition | None) -> None:
+        """A lane took records: the poll, if it waits for room, goes on."""
+        self._room.set()
+
     def _failed(self, exc: BaseException) -> None:
         if self._failure is None:
             self._failure = exc
         self._stop.set()  # the loop raises it after consume() returns
 
-    def _own(self, tp: TopicPartition, token: int, stored: int | None) -> lanes.Partition:
-        assert self._lane is not None and self._settings is not None  # noqa: S101 - started
+    def _own(
+        self, tp: TopicPartition, token: int, stored: int | None, lane: lanes.Lane
+    ) -> lanes.Partition:
+        assert self._settings is not None  # noqa: S101 - started
         old = self._owned.get(tp)
         if old is not None:
             self._drop(old)
         p = lanes.Partition(tp, token, stored, self._settings)
         self._owned[tp] = p
-        self._lane.add(p)
+        lane.add(p)
         return p
 
     def _drop(self, p: lanes.Partition) -> None:
+        """Drop ``p`` without waiting for its lane: a turn in flight with it finds it closed
+        (or its fence refused), and the next turn goes without it.  Its queue is left as it
+        is, for such a turn to take from; it goes with the partition."""
         if p.state is lanes.State.OWNED:
             p.state = lanes.State.CLOSED
-        p.records.clear()
         if p.lane is not None:
             p.lane.remove(p)
         if self._owned.get(p.tp) is p:
             del self._owned[p.tp]
+
+    @contextlib.contextmanager
+    def _between_turns(self, of: Iterable[lanes.Lane | None]) -> Iterator[None]:
+        """Hold the locks of the lanes ``of`` (in their order, so two callers never wait on
+        each other): their turns in flight end first, the next wait (a revoke: what Kafka
+        hears is what they left)."""
+        with contextlib.ExitStack() as held:
+            for lane in sorted({x for x in of if isinstance(x, _Lane)}, key=lambda x: x.index):
+                held.enter_context(lane.lock)
+            yield
+
+    @contextlib.contextmanager
+    def _control(self) -> Iterator[None]:
+        """Use of the polling thread's connection: with ``connection=`` it is lane 0's, used
+        between its turns."""
+        with self._between_turns(self._lanes[:1] if self._db.given else []):
+            yield
 
     def _take(self, wanted: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int | None]]:
         """Take ``wanted`` with new tokens in a transaction of its own, again while Postgres is
@@ -477,7 +559,8 @@ class Consumer:
         tries = 0
         while True:
             try:
-                return drive.run(self._taking(wanted), _WHAT)
+                with self._control():
+                    return drive.run(self._taking(wanted), _WHAT)
             except Exception as exc:
                 if not db.is_retriable(exc) or self._stop.is_set():
                     raise
@@ -513,7 +596,7 @@ class Consumer:
         return taken
 
     def _settle(self, ck: Any) -> None:
-        """After the turns: drop what another consumer took; take back what an operator moved
+        """Between the turns: drop what another consumer took; take back what an operator moved
         or Postgres forgot (:class:`dedup.consumer._lanes.State`)."""
         for p in list(self._owned.values()):
             if p.state is lanes.State.TAKEN:
@@ -532,10 +615,12 @@ class Consumer:
             found.next_offset,
             found.holder,
         )
+        lane = p.lane
         self._drop(p)
         where = (p.tp.topic, p.tp.partition)
         token, stored = self._take([where])[where]
-        self._own(p.tp, token, stored)
+        assert lane is not None  # noqa: S101 - a partition we held was on a lane
+        self._own(p.tp, token, stored, lane)
         at = stored if stored is not None else found.next_offset  # no row: where we began
         if at is not None:
             self._kafka.seek(ck.TopicPartition(*where, at))
@@ -562,13 +647,15 @@ class Consumer:
         idle = {tp: (p.token, p.expected) for tp, p in owned.items()}
         wanted = [(tp.topic, tp.partition) for tp in owned]
         try:
-            conn = drive.run(self._db.acquire(), _WHAT)
-            stored = drive.run(self.store.positions(conn, self.group_id, wanted), _WHAT)
+            with self._control():
+                conn = drive.run(self._db.acquire(), _WHAT)
+                stored = drive.run(self.store.positions(conn, self.group_id, wanted), _WHAT)
         except Exception as exc:
             if not db.is_retriable(exc):
                 raise
             log.warning("checking partition owners failed (%r); trying again", exc)
             return
+        # A turn that begins meanwhile finds out from its fence, as in the async consumer.
         lanes.read_positions(owned, stored, idle, self.holder)
 
     def _commit_kafka(self, kafka: Any, held: Any, *, wait: bool = False) -> None:
@@ -635,12 +722,58 @@ def _as_it_is(msg: message_.Message) -> message_.Message:
     return msg
 
 
-def _nothing(_: TopicPartition) -> None:
-    """The lane's word that a partition has room: this consumer polls only when all is applied."""
+class _Lane(lanes.Lane):
+    """A lane of :class:`Consumer`: the async consumer's lane, its loop a thread of its own
+    (``dedup lane N``) on a connection of its own."""
+
+    def __init__(self, index: int, consumer: Consumer, connection: _Connection) -> None:
+        assert consumer._settings is not None  # noqa: S101 - started
+        self.counts = dict.fromkeys(consumer_.STAT_NAMES, 0)
+        """This lane's share of :attr:`Consumer.stats` (each lane counts its own)."""
+        super().__init__(index, connection, consumer._settings, self.counts, consumer._took)
+        self.db = connection
+        self.lock = threading.RLock()
+        """Held for each turn: a revoke waits for it (and, with ``connection=``, a use of the
+        polling thread's connection, which is this lane's)."""
+        self._consumer = consumer
+        self._woken = threading.Event()
+        self._halted = False
+        self._thread = threading.Thread(target=self._serve, name=f"dedup lane {index}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def stop(self) -> None:
+        """Take no further turn; the one in flight goes on."""
+        self._halted = True
+        self._woken.set()
+
+    def join(self) -> None:
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        try:
+            while not self._halted:
+                self._woken.wait()
+                self._woken.clear()
+                while not self._halted:
+                    with self.lock:
+                        more = drive.run(self.turn(), _WHAT)
+                    self._consumer._took(None)
+                    if not more:
+                        break
+        except asyncio.CancelledError:
+            pass  # stopped during a backoff: the turn gave its records back
+        except BaseException as exc:  # run() raises it, a handler's SystemExit too
+            self._consumer._failed(exc)
 
 
 class _Connection:
-    """The consumer's one psycopg connection, handed to its lane as a pool hands one."""
+    """A psycopg connection of the consumer's, handed to a lane as a pool hands one."""
 
     def __init__(self, dsn: str | None, given: Any, options: Mapping[str, Any] | None) -> None:
         if given is not None and options:
@@ -653,6 +786,11 @@ class _Connection:
         self._options = dict(options or {})
         self._raw: psycopg.Connection[Any] | None = None
         self._adapter: psycopg_.SyncAdapter | None = None
+
+    @property
+    def given(self) -> bool:
+        """True for the caller's connection (``connection=``)."""
+        return self._given is not None
 
     def open(self) -> psycopg_.SyncAdapter:
         """The connection, opened (again, with ``dsn=``) when there is none or it was lost."""
@@ -733,6 +871,22 @@ def _connect(dsn: str, options: Mapping[str, Any]) -> psycopg.Connection[Any]:
             "connect_options: autocommit must stay on; the consumer sends its own BEGIN"
         )
     return conn
+
+
+def _concurrency(given: int | None, connection: Any, batch_handler: bool, batch_size: int) -> int:
+    """The lanes to run: ``given``, else the async consumer's default; one on the caller's
+    connection, which is one."""
+    if given is None:
+        return (
+            1 if connection is not None else config_.default_concurrency(batch_handler, batch_size)
+        )
+    limits.check_number("concurrency", given, 1, 64, whole=True)
+    if connection is not None and given != 1:
+        raise errors.ConfigurationError(
+            f"concurrency={given!r}: the lanes run on connections of their own; with "
+            "connection= there is one: give dsn= for more lanes"
+        )
+    return given
 
 
 def _confluent() -> Any:

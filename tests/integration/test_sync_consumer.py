@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -386,16 +387,47 @@ async def test_a_lost_connection_is_opened_again_and_the_transaction_run_again(
             lambda: pool.fetchval("SELECT count(*) = 1 FROM effects"), what="the first record"
         )
         backends = "SELECT pid FROM pg_stat_activity WHERE application_name = $1"
-        [before] = [r["pid"] for r in await pool.fetch(backends, name)]  # its one connection
-        assert await pool.fetchval("SELECT pg_terminate_backend($1)", before)
+        before = {r["pid"] for r in await pool.fetch(backends, name)}
+        assert len(before) == 2, "its lane's connection and the one that takes partitions"
+        for pid in before:
+            assert await pool.fetchval("SELECT pg_terminate_backend($1)", pid)
         await produce(bootstrap_servers, topic, [{"id": "after"}, {"id": "later"}])
         await helpers.wait_for(
             lambda: pool.fetchval("SELECT count(*) = 3 FROM effects"),
             what="the records after the loss applied on a new connection",
         )
-        [now] = [r["pid"] for r in await pool.fetch(backends, name)]
-        assert now != before
+        now = {r["pid"] for r in await pool.fetch(backends, name)}
+        assert now and not now & before
     assert await effects.effect_counts(pool) == (3, 3)
+
+
+async def test_the_lanes_apply_partitions_side_by_side_each_on_its_own_connection(
+    dsn: str, pool: Any, bootstrap_servers: str, topics: Topics
+) -> None:
+    topic = await topics.create(partitions=4, prefix="lanes")
+    await pool.execute(effects.EFFECTS)
+    # Each of partitions 0 and 1 has its first transaction wait inside its handler for the
+    # other's: a consumer that applied them one at a time would never get past the barrier.
+    meet = threading.Barrier(2, timeout=20)
+    backends: dict[int, int] = {}
+
+    def side_by_side(msgs: list[dedup.Message], tx: dedup.sync.Tx) -> None:
+        first = msgs[0].partition
+        if first in (0, 1) and first not in backends:
+            backends[first] = tx.conn.info.backend_pid
+            meet.wait()
+        blocking_record_effects(msgs, tx)
+
+    consumer = sync_consumer(side_by_side, topic, dsn, bootstrap_servers)
+    assert consumer.concurrency == 4, "a batch handler's default: the async consumer's"
+    async with running(consumer):
+        await produce(bootstrap_servers, topic, [{"id": f"k{i}"} for i in range(40)])
+        await helpers.wait_for(
+            lambda: pool.fetchval("SELECT count(*) = 40 FROM effects"), what="every key applied"
+        )
+    assert await pool.fetchval("SELECT count(*) FROM dedup.dead_letters") == 0
+    assert sorted(backends) == [0, 1] and backends[0] != backends[1], backends
+    assert await effects.effect_counts(pool) == (40, 40)
 
 
 # -------------------------------------------------------------- telemetry --

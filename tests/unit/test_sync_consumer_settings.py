@@ -57,6 +57,12 @@ def consumer(**options: Any) -> dedup.sync.Consumer:
             r"^config: 'enable.auto.commit'=True: dedup stores offsets in Postgres",
         ),
         ({"schema": "no-such schema!"}, r"schema"),
+        ({"concurrency": 0}, r"^concurrency=0: expected a whole number from 1 to 64"),
+        ({"concurrency": 2.5}, r"^concurrency=2.5: expected a whole number"),
+        (
+            {"connection": "x", "dsn": None, "concurrency": 2},
+            r"^concurrency=2: the lanes run on connections of their own; with connection=",
+        ),
         (
             {"connection": "x", "dsn": None, "connect_options": {"a": 1}},
             r"^connect_options configure the connection dedup opens for dsn=",
@@ -95,3 +101,14 @@ def test_a_batch_handler_is_found_from_its_annotation() -> None:
     assert consumer(handler=batch).batch_handler
     assert not consumer().batch_handler
     assert consumer(batch=True).batch_handler
+
+
+def test_the_lanes_are_the_async_consumers_by_default_and_one_on_a_given_connection() -> None:
+    def batch(msgs: list[dedup.Message], tx: dedup.sync.Tx) -> None:
+        """A batch handler."""
+
+    assert consumer(handler=batch).concurrency == 4
+    assert consumer().concurrency == 1, "a per-message handler batches instead"
+    assert consumer(batch_size=1).concurrency == 4
+    assert consumer(concurrency=3).concurrency == 3
+    assert consumer(handler=batch, connection="x", dsn=None).concurrency == 1
